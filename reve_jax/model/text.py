@@ -1,0 +1,102 @@
+"""Text conditioning: the built-in trainable encoder for the synthetic captions, and the projection that turns
+either its output or precomputed frozen-encoder embeddings into tokens of the DiT's width.
+
+Caption dropout (for classifier-free guidance) replaces a sample's text by a learned null token, so the
+unconditional branch is the same function for the built-in and the precomputed paths.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from reve_jax.model.layers import Attention, RMSNorm, SwiGLU, dense, swiglu_hidden
+
+
+class TextBlock(nnx.Module):
+    """Pre-norm transformer block over caption tokens (no time conditioning, no RoPE: word order is carried by
+    learned position embeddings)."""
+
+    def __init__(self, width: int, heads: int, *, eps, rngs, dtype, param_dtype):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.norm1 = RMSNorm(width, eps=eps, param_dtype=param_dtype, axis_name=None)
+        self.attn = Attention(width, heads, qk_norm=True, eps=eps, impl="xla", **kw)
+        self.norm2 = RMSNorm(width, eps=eps, param_dtype=param_dtype, axis_name=None)
+        self.mlp = SwiGLU(width, swiglu_hidden(width, 4.0, 16), **kw)
+
+    def __call__(self, x: jax.Array, lengths: jax.Array) -> jax.Array:
+        x = x + self.attn(self.norm1(x), None, lengths)
+        return x + self.mlp(self.norm2(x))
+
+
+class BuiltinTextEncoder(nnx.Module):
+    """A small trainable encoder: token + position embeddings, a few transformer blocks, a final norm."""
+
+    def __init__(self, vocab: int, max_len: int, width: int, depth: int, heads: int, *, eps, rngs, dtype, param_dtype):
+        init = nnx.initializers.normal(0.02)
+        self.embed = nnx.Embed(
+            vocab, width, embedding_init=nnx.with_partitioning(init, ("vocab", None)),
+            dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+        )
+        self.pos = nnx.Param(nnx.with_partitioning(init, (None, None))(rngs.params(), (max_len, width), param_dtype))
+        self.blocks = nnx.List(
+            [TextBlock(width, heads, eps=eps, rngs=rngs, dtype=dtype, param_dtype=param_dtype) for _ in range(depth)]
+        )
+        self.norm = RMSNorm(width, eps=eps, param_dtype=param_dtype, axis_name=None)
+
+    def __call__(self, tokens: jax.Array, mask: jax.Array) -> jax.Array:
+        x = self.embed(tokens) + self.pos[...].astype(self.embed.dtype)[None, : tokens.shape[1]]
+        lengths = jnp.maximum(mask.sum(-1), 1).astype(jnp.int32)
+        for block in self.blocks:
+            x = block(x, lengths)
+        return self.norm(x)
+
+
+class TextConditioner(nnx.Module):
+    """Caption -> (text tokens [B, L, width], valid lengths [B], pooled vector [B, width]).
+
+    Text padding must be at the end of each caption (the mask is a prefix), so the DiT can pass key lengths to
+    attention instead of a dense mask (cuDNN's fast path takes lengths).
+    """
+
+    def __init__(self, cfg, vocab_size: int, width: int, *, rngs, dtype, param_dtype):
+        t = cfg.text
+        self.source = t.encoder
+        if t.encoder == "builtin":
+            self.encoder = BuiltinTextEncoder(
+                vocab_size, t.max_len, t.width, t.depth, t.heads, eps=cfg.model.norm_eps,
+                rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+            )
+            in_dim = t.width
+        else:
+            self.encoder = None
+            in_dim = t.emb_dim
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.in_norm = RMSNorm(in_dim, eps=cfg.model.norm_eps, param_dtype=param_dtype, axis_name=None)
+        self.proj = dense(in_dim, width, ("text_embed", "embed"), **kw)
+        self.pool_proj = dense(in_dim, width, ("text_embed", "embed"), **kw)
+        init = nnx.initializers.normal(0.02)
+        self.null_token = nnx.Param(init(rngs.params(), (width,), param_dtype))
+        self.null_pooled = nnx.Param(init(rngs.params(), (width,), param_dtype))
+
+    def __call__(self, text: dict, drop: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        mask = text["text_mask"]
+        if self.encoder is not None:
+            feats = self.encoder(text["tokens"], mask)
+        else:
+            feats = text["text_emb"]
+        feats = self.in_norm(feats.astype(self.proj.dtype))
+        m = mask[..., None].astype(feats.dtype)
+        pooled = self.pool_proj((feats * m).sum(1) / jnp.maximum(m.sum(1), 1.0))
+        tokens = self.proj(feats)
+        lengths = mask.sum(-1).astype(jnp.int32)
+        if drop is not None:
+            # A dropped caption becomes one learned null token followed by padding.
+            null_seq = jnp.zeros_like(tokens).at[:, 0].set(self.null_token[...].astype(tokens.dtype))
+            tokens = jnp.where(drop[:, None, None], null_seq, tokens)
+            lengths = jnp.where(drop, 1, lengths)
+            pooled = jnp.where(drop[:, None], self.null_pooled[...].astype(pooled.dtype), pooled)
+        # An empty caption still exposes one (zero) token so attention never sees an all-masked row.
+        lengths = jnp.maximum(lengths, 1)
+        return tokens, lengths, pooled

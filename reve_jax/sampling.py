@@ -1,0 +1,65 @@
+"""Sampling from a trained DiT: classifier-free guidance on an interval of t, Euler or Heun, and routed
+self-guidance (TREAD's routed model as the weak branch)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from reve_jax import diffusion
+from reve_jax.data import tokenizer
+
+
+def encode_prompts(prompts: list[str], max_len: int) -> dict:
+    """Captions -> the model's text inputs for the built-in tokenizer."""
+    tokens, mask = tokenizer.encode_batch(prompts, max_len)
+    return {"tokens": tokens, "text_mask": mask}
+
+
+def make_sampler(cfg, graphdef, *, steps=None, cfg_scale=None, sampler=None, route_guidance=None):
+    """Returns a jitted fn(params, text, noise, key) -> images [B,H,W,3] in [-1,1]. Unset arguments come from
+    `cfg.sample`. Guidance uses one batched call of 2B (cond, uncond) per evaluation."""
+    s = cfg.sample
+    steps = steps or s.steps
+    scale = s.cfg_scale if cfg_scale is None else cfg_scale
+    sampler = sampler or s.sampler
+    route_s = s.route_guidance if route_guidance is None else route_guidance
+    dcfg = cfg.diffusion
+    guided = scale != 1.0
+
+    def fn(params, text, noise, key):
+        model = nnx.merge(graphdef, params)
+        b = noise.shape[0]
+        if guided:
+            text2 = jax.tree.map(lambda a: jnp.concatenate([a, a], axis=0), text)
+            drop = jnp.concatenate([jnp.zeros((b,), bool), jnp.ones((b,), bool)])
+        else:
+            text2, drop = text, jnp.zeros((b,), bool)
+
+        def velocity(z, t):
+            zz = jnp.concatenate([z, z], 0) if guided else z
+            tt = jnp.concatenate([t, t], 0) if guided else t
+            out, _ = model(zz, tt, text2, drop=drop)
+            _, v = diffusion.to_x_v(out, zz, tt, dcfg.prediction, dcfg.t_eps)
+            if route_s:
+                # Routed self-guidance: the routed model is the weak branch, out = routed + s (full - routed).
+                out_r, _ = model(zz, tt, text2, drop=drop, route_key=jax.random.fold_in(key, 0))
+                _, v_r = diffusion.to_x_v(out_r, zz, tt, dcfg.prediction, dcfg.t_eps)
+                v = v_r + route_s * (v - v_r)
+            if guided:
+                return diffusion.cfg_velocity(v[:b], v[b:], t, scale, s.cfg_interval)
+            return v
+
+        x = diffusion.sample(velocity, noise, steps, sampler, dcfg.t_shift)
+        return jnp.clip(x, -1.0, 1.0)
+
+    return jax.jit(fn)
+
+
+def fixed_noise(cfg, n: int, seed: int | None = None) -> np.ndarray:
+    """The evaluation noise: the same for every checkpoint of a run, so sample grids are comparable."""
+    size = cfg.data.image_size
+    rng = np.random.default_rng(cfg.sample.seed if seed is None else seed)
+    return (cfg.diffusion.noise_scale * rng.standard_normal((n, size, size, 3))).astype(np.float32)

@@ -1,0 +1,190 @@
+"""The train state and the one pure train step.
+
+The state is a plain dict: `params` (pure dict of the DiT's parameters), `opt_state`, `ema` (one params-shaped
+tree per decay), `step` (int32 scalar) and `rng` (raw key data). Everything is created sharded from abstract
+shapes: nothing is materialised unsharded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from reve_jax import diffusion, optim, sharding
+from reve_jax.data import tokenizer
+from reve_jax.model.dit import DiT
+
+
+def vocab_size(cfg) -> int:
+    return tokenizer.VOCAB_SIZE
+
+
+def build_model(cfg, seed: int = 0) -> DiT:
+    """The NNX model with concrete weights (use inside jit, or in tests)."""
+    with nnx.use_eager_sharding(False):
+        return DiT(cfg, vocab_size(cfg), rngs=nnx.Rngs(seed))
+
+
+@dataclasses.dataclass
+class Setup:
+    """What the loop needs besides the state: the model's graph, the optimizer, shardings and abstract shapes."""
+
+    cfg: object
+    mesh: jax.sharding.Mesh
+    graphdef: object
+    optimizer: optax.GradientTransformation
+    lr_schedule: object
+    abstract_state: dict  # ShapeDtypeStructs with shardings: the restore target
+    state_shardings: dict
+    param_labels: object
+
+
+def ema_keys(cfg) -> list[str]:
+    return [f"ema{i}" for i in range(len(cfg.ema.decays))]
+
+
+def make_setup(cfg, mesh) -> Setup:
+    """Derive graph, optimizer, shardings and abstract state from the config, without allocating weights."""
+    abstract_model = nnx.eval_shape(lambda: build_model(cfg))
+    graphdef, abstract_vars = nnx.split(abstract_model)
+    logical = nnx.to_pure_dict(nnx.get_partition_spec(abstract_vars))
+    abstract_params = nnx.to_pure_dict(abstract_vars)
+    rules = tuple(cfg.mesh.rules)
+    p_shard = sharding.param_shardings(abstract_params, logical, rules, mesh)
+    opt, schedule = optim.build_optimizer(cfg.optim, abstract_params, cfg.train.steps)
+    abstract_opt = jax.eval_shape(opt.init, abstract_params)
+    o_shard = sharding.follow_params(abstract_opt, abstract_params, p_shard, mesh)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    state_shardings = {
+        "params": p_shard,
+        "opt_state": o_shard,
+        "ema": {k: p_shard for k in ema_keys(cfg)},
+        "step": replicated,
+        "rng": replicated,
+    }
+    abstract = {
+        "params": abstract_params,
+        "opt_state": abstract_opt,
+        "ema": {k: abstract_params for k in ema_keys(cfg)},
+        "step": jax.ShapeDtypeStruct((), jnp.int32),
+        "rng": jax.ShapeDtypeStruct((2,), jnp.uint32),
+    }
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_shardings
+    )
+    labels = optim.param_groups(cfg.optim, abstract_params)
+    return Setup(cfg, mesh, graphdef, opt, schedule, abstract, state_shardings, labels)
+
+
+def init_state(setup: Setup) -> dict:
+    """Fresh state, created directly in its shardings by one jitted function."""
+    cfg = setup.cfg
+
+    def init():
+        params = nnx.to_pure_dict(nnx.split(build_model(cfg, cfg.seed))[1])
+        params = jax.tree.map(lambda x: x.astype(jnp.dtype(cfg.model.param_dtype)), params)
+        return {
+            "params": params,
+            "opt_state": setup.optimizer.init(params),
+            "ema": {k: jax.tree.map(lambda x: x.astype(jnp.float32), params) for k in ema_keys(cfg)},
+            "step": jnp.zeros((), jnp.int32),
+            "rng": jax.random.key_data(jax.random.key(cfg.seed + 1)),
+        }
+
+    with jax.set_mesh(setup.mesh):
+        return jax.jit(init, out_shardings=setup.state_shardings)()
+
+
+def global_norm(tree) -> jax.Array:
+    return optax.global_norm(jax.tree.map(lambda x: x.astype(jnp.float32), tree))
+
+
+def text_inputs(batch: dict) -> dict:
+    return {k: batch[k] for k in ("tokens", "text_emb", "text_mask") if k in batch}
+
+
+def make_loss_fn(setup: Setup):
+    """loss(params, batch, key) -> (scalar loss, metrics): the training objective for one (micro) batch."""
+    cfg, graphdef = setup.cfg, setup.graphdef
+    dcfg = cfg.diffusion
+    routed = cfg.model.route.enabled
+
+    def loss_fn(params, batch, key):
+        model = nnx.merge(graphdef, params)
+        x = batch["image"]
+        b = x.shape[0]
+        k_t, k_noise, k_drop, k_route = jax.random.split(key, 4)
+        t = diffusion.sample_t(k_t, b, dcfg)
+        noise = dcfg.noise_scale * jax.random.normal(k_noise, x.shape, x.dtype)
+        z = diffusion.interpolate(x, noise, t)
+        drop = jax.random.uniform(k_drop, (b,)) < dcfg.caption_drop
+        out, _ = model(z, t, text_inputs(batch), drop=drop, route_key=k_route if routed else None)
+        per_sample, _ = diffusion.loss_terms(out, x, noise, z, t, dcfg)
+        loss = per_sample.mean()
+        return loss, {"loss": loss, "loss_fm": loss}
+
+    return loss_fn
+
+
+def make_train_step(setup: Setup):
+    """The pure step (state, batch) -> (state, metrics). Gradient accumulation splits the global batch into
+    `train.grad_accum` micro-batches (same global batch, less memory)."""
+    cfg = setup.cfg
+    accum = cfg.train.grad_accum
+    loss_fn = make_loss_fn(setup)
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    decays = tuple(cfg.ema.decays)
+
+    def train_step(state, batch):
+        params = state["params"]
+        key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
+        if accum == 1:
+            (_, metrics), grads = grad_fn(params, batch, key)
+        else:
+            micro = jax.tree.map(lambda x: x.reshape((accum, x.shape[0] // accum) + x.shape[1:]), batch)
+
+            def body(carry, inp):
+                i, mb = inp
+                (_, m), g = grad_fn(params, mb, jax.random.fold_in(key, i))
+                return jax.tree.map(jnp.add, carry, (g, m)), None
+
+            first = jax.tree.map(lambda x: x[0], micro)
+            rest = jax.tree.map(lambda x: x[1:], micro)
+            (_, m0), g0 = grad_fn(params, first, jax.random.fold_in(key, 0))
+            (grads, metrics), _ = jax.lax.scan(body, (g0, m0), (jnp.arange(1, accum), rest))
+            grads = jax.tree.map(lambda g: g / accum, grads)
+            metrics = jax.tree.map(lambda m: m / accum, metrics)
+        updates, opt_state = setup.optimizer.update(grads, state["opt_state"], params)
+        new_params = optax.apply_updates(params, updates)
+        ema = {
+            k: diffusion.ema_update(state["ema"][k], new_params, d)
+            for k, d in zip(ema_keys(cfg), decays, strict=True)
+        }
+        metrics = dict(
+            metrics,
+            grad_norm=global_norm(grads),
+            param_norm=global_norm(new_params),
+            update_norm=global_norm(updates),
+            lr=setup.lr_schedule(state["step"]),
+        )
+        new_state = dict(state, params=new_params, opt_state=opt_state, ema=ema, step=state["step"] + 1)
+        return new_state, metrics
+
+    return train_step
+
+
+def jit_train_step(setup: Setup, batch_shardings: dict):
+    """The train step jitted with explicit in/out shardings and the state donated."""
+    step = make_train_step(setup)
+    replicated = NamedSharding(setup.mesh, PartitionSpec())
+    return jax.jit(
+        step,
+        in_shardings=(setup.state_shardings, batch_shardings),
+        out_shardings=(setup.state_shardings, replicated),
+        donate_argnums=(0,),
+    )

@@ -1,0 +1,241 @@
+"""The training loop: Mesh -> Input -> State (created or restored sharded) -> compiled step -> Loop.
+
+One code path for every config and every process count. The loop resumes from the newest complete checkpoint in
+the workdir; its data position (samples consumed) restarts the input pipeline at exactly the next sample.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import signal
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from reve_jax import checkpoint, config, flops, metrics, optim, sampling, sharding, train_state, viz
+from reve_jax.data import pipeline
+
+log = logging.getLogger("reve_jax")
+
+
+class NonFiniteError(RuntimeError):
+    """Training produced a NaN or Inf; the last good checkpoint is left as it was."""
+
+
+class _StopFlag:
+    """SIGTERM / SIGINT (Ctrl-C) ask the loop to save a checkpoint and exit cleanly."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def install(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C aborts at once
+        self.requested = True
+        log.warning("signal %d received: saving a checkpoint and stopping", signum)
+
+    def restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _any_process(flag: bool) -> bool:
+    """True if `flag` is set on any process (all processes must call this at the same step)."""
+    if jax.process_count() == 1:
+        return flag
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
+
+
+def _sample_prompts(cfg, dataset, n: int) -> tuple[list[str], dict]:
+    """Captions for the sample grid: the last `n` indices of the dataset (fixed for the whole run)."""
+    captions = pipeline.captions_of(dataset, np.arange(dataset.num_samples - n, dataset.num_samples))
+    return captions, sampling.encode_prompts(captions, cfg.text.max_len)
+
+
+def run(cfg, workdir: str | Path, worker=None) -> dict:
+    """Train `cfg` in `workdir` until `train.steps` or a stop request. `worker` is the elastic worker context
+    (heartbeats and group stop requests); None for a plain run. Returns a summary dict."""
+    workdir = Path(workdir)
+    is_main = jax.process_index() == 0
+    if is_main:
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "config.json").write_text(config.to_json(cfg))
+    beat = worker.beat if worker is not None else (lambda step, phase="train": None)
+    beat(0, "starting")
+
+    # ---------------------------------------------------------------- Mesh
+    mesh = sharding.make_mesh(cfg.mesh)
+    tr = cfg.train
+    dp = sharding.data_parallel_size(mesh)
+    if tr.global_batch % (dp * tr.grad_accum):
+        raise sharding.MeshError(
+            f"train.global_batch={tr.global_batch} must split evenly over {dp} data-parallel devices x "
+            f"train.grad_accum={tr.grad_accum} micro-batches; change train.grad_accum or the batch"
+        )
+    log.info("mesh %s over %d devices, %d processes", dict(mesh.shape), mesh.size, jax.process_count())
+
+    # ---------------------------------------------------------------- State
+    setup = train_state.make_setup(cfg, mesh)
+    if is_main:
+        log.info("parameter groups:\n%s",
+                 optim.describe_param_groups(setup.abstract_state["params"], setup.param_labels))
+    ckpt = checkpoint.Checkpointer(workdir, keep=tr.ckpt_keep, async_save=tr.ckpt_async)
+    beat(0, "restoring")
+    restored = ckpt.restore_latest(setup.abstract_state)
+    if restored is None:
+        state, position = train_state.init_state(setup), 0
+        log.info("fresh start")
+    else:
+        state, meta = restored
+        position = int(meta["data_position"])
+        log.info("resumed from step %d (data position %d)", meta["step"], position)
+    start_step = int(jax.device_get(state["step"]))
+    if position != start_step * tr.global_batch:
+        raise checkpoint.CheckpointError(
+            f"checkpoint data position {position} does not match step {start_step} x train.global_batch="
+            f"{tr.global_batch}: the global batch changed since the checkpoint was written; keep it fixed"
+        )
+
+    # ---------------------------------------------------------------- Input
+    data_iter = pipeline.make_batch_iterator(
+        cfg.data, cfg.text.max_len, tr.global_batch, jax.process_index(), jax.process_count(), position
+    )
+    dataset = pipeline.dataset_from_config(cfg.data)
+    sample_fn = sampling.make_sampler(cfg, setup.graphdef)
+    n_samples = cfg.sample.num
+    captions, sample_text = _sample_prompts(cfg, dataset, n_samples)
+    sample_noise = sampling.fixed_noise(cfg, n_samples)
+
+    # ---------------------------------------------------------------- Compile
+    first = next(data_iter)
+    batch_keys = ("image", "tokens", "text_emb", "text_mask")
+    device_batch = lambda local: sharding.global_batch_from_local(  # noqa: E731
+        {k: v for k, v in local.items() if k in batch_keys}, mesh, tr.global_batch
+    )
+    batch0 = device_batch(first)
+    step_fn = train_state.jit_train_step(setup, jax.tree.map(lambda a: a.sharding, batch0))
+    beat(start_step, "compiling")
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = step_fn.lower(state, batch0).compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    if mem is not None and is_main:
+        log.info("compiled train step in %.1fs; per-device temp %.1f MiB, args %.1f MiB",
+                 compile_s, mem.temp_size_in_bytes / 2**20, mem.argument_size_in_bytes / 2**20)
+    flops_per_step = flops.train_flops_per_image(cfg) * tr.global_batch
+    peak, peak_src = metrics.peak_tflops(tr.peak_tflops)
+    peak_total = peak * jax.device_count()
+
+    # ---------------------------------------------------------------- Loop
+    writer = metrics.MetricsWriter(workdir, enabled=is_main)
+    stop = _StopFlag()
+    stop.install()
+    progress = _progress(is_main, start_step, tr.steps)
+    step = start_step
+    pending, batch = None, batch0
+    t_last, steps_since = time.perf_counter(), 0
+    data_wait = 0.0
+    reason = "finished"
+
+    def save(step_now: int, wait: bool = False):
+        ckpt.save(step_now, state, {"data_position": step_now * tr.global_batch, "config": config.to_json(cfg),
+                                    "mesh": dict(mesh.shape), "processes": jax.process_count()})
+        if wait:
+            ckpt.wait()
+
+    def render(step_now: int):
+        params = state["ema"]["ema0"] if cfg.sample.use_ema else state["params"]
+        with jax.set_mesh(mesh):
+            imgs = sample_fn(params, sample_text, sample_noise, jax.random.key(cfg.sample.seed))
+        imgs = np.asarray(jax.device_get(imgs))
+        if is_main:
+            (workdir / "samples").mkdir(exist_ok=True)
+            viz.save_sample_grid(workdir / "samples" / f"step_{step_now:07d}.png", imgs, captions)
+
+    try:
+        while step < tr.steps:
+            with jax.set_mesh(mesh):
+                state, m = compiled(state, batch)
+            step += 1
+            steps_since += 1
+            t_data = time.perf_counter()
+            if step < tr.steps:
+                batch = device_batch(next(data_iter))
+            data_wait += time.perf_counter() - t_data
+            progress.update(1)
+            beat(step)
+            at_log = step % tr.log_every == 0 or step == tr.steps
+            at_ckpt = step % tr.ckpt_every == 0 or step == tr.steps
+            if at_log or at_ckpt:
+                values = jax.device_get(m)
+                if tr.stop_on_nan and not all(math.isfinite(float(v)) for v in values.values()):
+                    raise NonFiniteError(
+                        f"non-finite metrics at step {step}: {values}. The last good checkpoint "
+                        f"({ckpt.steps()[-1] if ckpt.steps() else 'none'}) is intact; lower optim.lr or raise "
+                        "optim.clip_norm / warm-up, then resume."
+                    )
+                if at_log:
+                    dt = time.perf_counter() - t_last
+                    ips = steps_since * tr.global_batch / dt
+                    tflops = steps_since * flops_per_step / dt / 1e12
+                    record = dict(values, step_time=dt / steps_since, images_per_s=ips, tflops=tflops,
+                                  mfu=tflops / peak_total, data_wait_frac=data_wait / dt, epoch_position=step)
+                    writer.write(step, record)
+                    progress.set_postfix(loss=f"{values['loss']:.4f}", ips=f"{ips:.0f}")
+                    t_last, steps_since, data_wait = time.perf_counter(), 0, 0.0
+            if tr.sample_every and step % tr.sample_every == 0 and step < tr.steps:
+                render(step)
+            if at_ckpt:
+                save(step)
+            local_stop = stop.requested or (worker is not None and worker.stop_requested())
+            check_now = jax.process_count() == 1 or at_log or at_ckpt
+            if check_now and _any_process(local_stop) and step < tr.steps:
+                reason = "stopped"
+                save(step, wait=True)
+                break
+        if reason == "finished":
+            render(step)
+        ckpt.wait()
+    finally:
+        stop.restore()
+        progress.close()
+        writer.close()
+        ckpt.close()
+    if is_main and reason == "finished":
+        viz.save_loss_plot(workdir / "loss.png", workdir / "metrics.jsonl")
+    summary = {"reason": reason, "step": step, "start_step": start_step, "compile_s": compile_s,
+               "peak_tflops_source": peak_src}
+    if is_main:
+        (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+class _NoProgress:
+    def update(self, n):
+        pass
+
+    def set_postfix(self, **kw):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(enabled: bool, start: int, total: int):
+    if not enabled:
+        return _NoProgress()
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", dynamic_ncols=True, mininterval=2.0)
