@@ -140,4 +140,5 @@ def get_config() -> ml_collections.ConfigDict:
     s.num = 16  # images in the training sample grid
     s.seed = 1234  # fixed noise seed for sample grids
     s.use_ema = True
+    c.lock()  # experiment files and overrides may change values, never add keys
     return c

@@ -25,7 +25,7 @@ def forward_flops_per_image(cfg, routed: bool | None = None) -> float:
     text = cfg.text.max_len
     hidden = swiglu_hidden(m.width, m.mlp_ratio, m.mlp_multiple_of)
     routed = m.route.enabled if routed is None else routed
-    start, end = route_span(m.depth, m.route.start, m.route.end)
+    start, end = route_span(m.depth, m.route.start, m.route.end) if routed else (0, 0)
     kept = keep_count(n, m.route.keep_ratio)
     total = 0.0
     for i in range(m.depth):

@@ -127,3 +127,12 @@ def global_batch_from_local(local: dict, mesh: Mesh, global_batch: int) -> dict:
             batch_sharding(mesh, v.ndim), v, (global_batch,) + v.shape[1:]
         )
     return out
+
+
+def describe_shardings(tree_of_shardings) -> str:
+    """One line per leaf: its path and PartitionSpec (the golden-file format)."""
+    lines = []
+    for path, s in jax.tree_util.tree_flatten_with_path(tree_of_shardings)[0]:
+        spec = tuple(s.spec) if isinstance(s, NamedSharding) else tuple(s)
+        lines.append(f"{'/'.join(_path_key(path))}\t{spec}")
+    return "\n".join(lines) + "\n"

@@ -101,7 +101,7 @@ def init_state(setup: Setup) -> dict:
 
 
 def global_norm(tree) -> jax.Array:
-    return optax.global_norm(jax.tree.map(lambda x: x.astype(jnp.float32), tree))
+    return optax.tree.norm(jax.tree.map(lambda x: x.astype(jnp.float32), tree))
 
 
 def text_inputs(batch: dict) -> dict:

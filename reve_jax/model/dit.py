@@ -83,7 +83,9 @@ class DiT(nnx.Module):
         self.repa_block = m.repa_block
         self.route = m.route.enabled
         self.route_keep_ratio = m.route.keep_ratio
-        self.route_start, self.route_end = routing.route_span(m.depth, m.route.start, m.route.end)
+        self.route_start, self.route_end = (
+            routing.route_span(m.depth, m.route.start, m.route.end) if self.route else (0, 0)
+        )
 
         self.patch_embed = PatchEmbed(m.patch, m.width, m.bottleneck, **kw)
         self.time_embed = TimeEmbed(m.width, **kw)

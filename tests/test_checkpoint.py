@@ -1,0 +1,142 @@
+"""Checkpoints: every leaf survives a round trip, a save on 8 devices restores on 4, a corrupt latest checkpoint
+falls back to the previous one, and a crash in the middle of a save leaves the previous one usable."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import pytest
+from util import tiny_config
+
+from reve_jax import sharding, train_state
+from reve_jax.checkpoint import CheckpointError, Checkpointer
+
+
+def _setup(devices, *extra):
+    cfg = tiny_config("optim.name='muon'", "ema.decays=(0.9, 0.99)", *extra)
+    mesh = sharding.make_mesh(cfg.mesh, devices)
+    return train_state.make_setup(cfg, mesh)
+
+
+def _assert_trees_equal(a, b):
+    fa, fb = jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)
+    assert len(fa) == len(fb)
+    for (path, x), y in zip(fa, fb, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
+
+
+def _changed(state):
+    """A state whose every leaf differs from init (so a restore that returns init values would fail)."""
+    leaves, treedef = jax.tree.flatten(state)
+    out = [x + np.asarray(1 + i, x.dtype) for i, x in enumerate(leaves)]
+    return jax.tree.unflatten(treedef, out)
+
+
+def test_round_trip_compares_every_leaf(tmp_path):
+    setup = _setup(jax.devices())
+    state = _changed(train_state.init_state(setup))
+    ckpt = Checkpointer(tmp_path, keep=2, async_save=True)
+    ckpt.save(7, state, {"data_position": 7 * 8, "note": "x"})
+    ckpt.wait()
+    restored, meta = ckpt.restore_latest(setup.abstract_state)
+    _assert_trees_equal(state, restored)
+    assert meta["step"] == 7 and meta["data_position"] == 56 and meta["note"] == "x"
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(setup.abstract_state), strict=True):
+        assert got.sharding == want.sharding
+    ckpt.close()
+
+
+def test_save_on_8_devices_restores_on_4(tmp_path):
+    setup8 = _setup(jax.devices(), "mesh.fsdp=2")
+    state = _changed(train_state.init_state(setup8))
+    assert any(len(x.sharding.device_set) == 8 for x in jax.tree.leaves(state))
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt.save(3, state, {"data_position": 24})
+    ckpt.close()
+    setup4 = _setup(jax.devices()[:4], "mesh.fsdp=2")
+    restored, _ = Checkpointer(tmp_path).restore_latest(setup4.abstract_state)
+    assert all(x.sharding.device_set <= set(jax.devices()[:4]) for x in jax.tree.leaves(restored))
+    _assert_trees_equal(jax.device_get(state), jax.device_get(restored))
+
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path):
+    setup = _setup(jax.devices())
+    s1 = _changed(train_state.init_state(setup))
+    s2 = _changed(s1)
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt.save(1, s1, {"data_position": 8})
+    ckpt.save(2, s2, {"data_position": 16})
+    ckpt.close()
+    damaged = 0
+    for root, _, files in os.walk(tmp_path / "checkpoints" / "2" / "state"):
+        for f in files:
+            path = os.path.join(root, f)
+            with open(path, "r+b") as fh:
+                fh.truncate(max(0, os.path.getsize(path) // 3))
+            damaged += 1
+    assert damaged
+    ckpt = Checkpointer(tmp_path)
+    restored, meta = ckpt.restore_latest(setup.abstract_state)
+    assert meta["step"] == 1
+    _assert_trees_equal(jax.device_get(s1), jax.device_get(restored))
+    # Nothing that was saved is lost: the damaged step moved aside, and step 2 can be written again.
+    assert list((tmp_path / "checkpoints_corrupt").iterdir())
+    assert ckpt.steps() == [1]
+    ckpt.save(2, restored, {"data_position": 16})
+    ckpt.close()
+
+
+def test_all_checkpoints_corrupt_is_a_clear_error(tmp_path):
+    setup = _setup(jax.devices())
+    ckpt = Checkpointer(tmp_path, async_save=False)
+    ckpt.save(1, train_state.init_state(setup), {"data_position": 8})
+    ckpt.close()
+    for root, _, files in os.walk(tmp_path / "checkpoints" / "1" / "state"):
+        for f in files:
+            open(os.path.join(root, f), "wb").close()
+    with pytest.raises(CheckpointError, match="could be restored"):
+        Checkpointer(tmp_path).restore_latest(setup.abstract_state)
+
+
+CRASH_SCRIPT = textwrap.dedent("""
+    import sys, time
+    import jax, jax.numpy as jnp
+    from reve_jax.checkpoint import Checkpointer
+    ckpt = Checkpointer(sys.argv[1], keep=5, async_save=True)
+    small = {"w": jnp.arange(10.0)}
+    ckpt.save(1, small, {"data_position": 1})
+    ckpt.wait()
+    big = {f"w{i}": jnp.full((1024, 1024), float(i)) for i in range(96)}  # 384 MiB to write
+    ckpt.save(2, big, {"data_position": 2})
+    print("SAVING", flush=True)
+    time.sleep(60)
+""")
+
+
+def test_crash_during_save_leaves_previous_checkpoint_usable(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", CRASH_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE,
+                            text=True, env=dict(os.environ, PYTHONPATH=os.getcwd(), JAX_PLATFORMS="cpu"))
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            if proc.stdout.readline().strip() == "SAVING":
+                break
+        else:
+            pytest.fail("the saving subprocess never started its second save")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    ckpt = Checkpointer(tmp_path)
+    assert ckpt.steps() == [1], "the interrupted save must not count as a complete checkpoint"
+    abstract = {"w": jax.ShapeDtypeStruct((10,), np.float32, sharding=jax.sharding.SingleDeviceSharding(
+        jax.devices()[0]))}
+    restored, meta = ckpt.restore_latest(abstract)
+    np.testing.assert_array_equal(restored["w"], np.arange(10.0))
+    assert meta["step"] == 1

@@ -1,0 +1,97 @@
+"""Configs: every key declared once, overrides typed, impossible combinations rejected before compiling."""
+
+import subprocess
+import sys
+
+import pytest
+
+from reve_jax.config import ConfigError, apply_override, load_config
+from reve_jax.sharding import MeshError, make_mesh, mesh_shape
+
+CONFIGS = ["configs/tiny.py", "configs/jit_b16.py", "configs/prx_1b.py"]
+
+
+@pytest.mark.parametrize("path", CONFIGS)
+def test_experiment_configs_load_and_validate(path):
+    cfg = load_config(path)
+    assert cfg.model.width % cfg.model.heads == 0
+    assert cfg.data.image_size % cfg.model.patch == 0
+
+
+def test_named_sizes_match_the_recipe():
+    jit_b = load_config("configs/jit_b16.py")
+    assert (jit_b.model.depth, jit_b.model.width, jit_b.model.heads, jit_b.model.patch) == (12, 768, 12, 16)
+    assert (jit_b.data.image_size, jit_b.model.bottleneck) == (256, 128)
+    prx = load_config("configs/prx_1b.py")
+    assert (prx.model.width, prx.model.depth, prx.model.heads, prx.model.patch) == (1792, 16, 28, 32)
+    assert (prx.model.bottleneck, prx.data.image_size, prx.model.mlp_ratio) == (256, 512, 3.5)
+
+
+def test_override_sets_typed_value():
+    cfg = load_config("configs/tiny.py", ["--config.model.depth=3", "--config.optim.name=muon",
+                                          "--config.sample.cfg_interval=(0.1, 0.9)"])
+    assert cfg.model.depth == 3 and cfg.optim.name == "muon" and cfg.sample.cfg_interval == (0.1, 0.9)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--config.model.depht=3", "unknown config key 'model.depht'"),
+        ("--config.modle.depth=3", "unknown config section 'modle'"),
+        ("--config.model.depth=deep", "expects int"),
+        ("--config.model.heads=5", "does not divide model.width"),
+        ("--config.model.patch=5", "not divisible by model.patch"),
+        ("--config.optim.name=sgd", "optim.name='sgd' is not one of"),
+        ("--config.model.route.keep_ratio=1.5", "keep_ratio"),
+        ("--config.train.grad_accum=3", "multiple of train.grad_accum"),
+        ("model.depth", "must look like"),
+    ],
+)
+def test_bad_config_is_a_clear_error(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config("configs/tiny.py", [override])
+
+
+def test_experiment_file_cannot_add_keys(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from configs import base\n\ndef get_config():\n    c = base.get_config()\n"
+                   "    c.model.dpeth = 3\n    return c\n")
+    cfg_dir = tmp_path / "configs"
+    cfg_dir.mkdir()
+    (cfg_dir / "base.py").write_text(open("configs/base.py").read())
+    (cfg_dir / "__init__.py").write_text("")
+    (cfg_dir / "bad.py").write_text(bad.read_text())
+    with pytest.raises(ConfigError, match="dpeth"):
+        load_config(str(cfg_dir / "bad.py"))
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config("configs/nope.py")
+
+
+def test_mesh_that_does_not_fit_is_a_clear_error():
+    cfg = load_config("configs/tiny.py", ["--config.mesh.fsdp=3"])
+    with pytest.raises(MeshError, match="does not fit 8 devices"):
+        make_mesh(cfg.mesh)
+    cfg = load_config("configs/tiny.py", ["--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=1"])
+    with pytest.raises(MeshError, match="needs 4 devices but 8"):
+        make_mesh(cfg.mesh)
+    assert mesh_shape({"data": -1, "fsdp": 2, "tensor": 2}, 8) == (2, 2, 2)
+
+
+def test_train_script_reports_bad_key_before_compiling(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "scripts/train.py", "--config", "configs/tiny.py", "--workdir", str(tmp_path / "w"),
+         "--config.model.widht=64"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "unknown config key 'model.widht'" in proc.stderr
+    assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_apply_override_rejects_wrong_tuple_type():
+    cfg = load_config("configs/tiny.py")
+    with pytest.raises(ConfigError):
+        apply_override(cfg, "sample.steps='many'")

@@ -1,0 +1,249 @@
+"""The synthetic dataset, its tokenizer and the Grain pipeline (fast: small images, few samples)."""
+
+import importlib.util
+import itertools
+import pathlib
+
+import numpy as np
+import pytest
+
+from reve_jax.data import pipeline, synthetic, tokenizer
+from reve_jax.data.synthetic import COLORS, Scene, SceneObject, SyntheticShapes
+
+_BASE = pathlib.Path(__file__).resolve().parents[1] / "configs" / "base.py"
+
+
+def _data_cfg(**overrides):
+    """The real base config's `data` section (so tests follow its keys), with small test overrides."""
+    spec = importlib.util.spec_from_file_location("_base_config", _BASE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    cfg = mod.get_config().data
+    cfg.update({"image_size": 12, "num_samples": 24, "worker_threads": 1, "prefetch": 1, **overrides})
+    return cfg
+
+
+# ---------------------------------------------------------------- synthetic
+
+
+def test_deterministic_by_seed_and_index_in_any_order():
+    a, b = SyntheticShapes(32, 1000, seed=3), SyntheticShapes(32, 1000, seed=3)
+    order = [7, 0, 999, 7, 42, 3]
+    first = {i: a[i] for i in order}
+    for i in reversed(order):
+        s = b[i]
+        assert s["caption"] == first[i]["caption"] and s["description"] == first[i]["description"]
+        np.testing.assert_array_equal(s["image"], first[i]["image"])
+    other = SyntheticShapes(32, 1000, seed=4)
+    assert [other.caption(i) for i in range(10)] != [a.caption(i) for i in range(10)]
+
+
+def test_getitem_contract_and_bounds():
+    ds = SyntheticShapes(32, 10)
+    s = ds[np.int64(9)]
+    assert s["image"].dtype == np.uint8 and s["image"].shape == (32, 32, 3)
+    assert isinstance(s["caption"], str) and isinstance(s["description"], Scene)
+    assert len(ds) == 10
+    with pytest.raises(IndexError):
+        ds[10]
+    with pytest.raises(ValueError, match="max_objects"):
+        SyntheticShapes(32, 10, max_objects=10)
+
+
+@pytest.mark.parametrize("size", [32, 64])
+def test_every_attribute_is_rendered(size):
+    ds = SyntheticShapes(size, 10_000, seed=1, max_objects=4)
+    seen_counts = set()
+    for i in range(120):
+        s = ds[i]
+        img, scene = s["image"], s["description"]
+        bg = np.asarray(COLORS[scene.background])
+        seen_counts.add(len(scene.objects))
+        for corner in (img[0, 0], img[0, -1], img[-1, 0], img[-1, -1]):
+            np.testing.assert_array_equal(corner, bg)
+        cells = {o.cell: o for o in scene.objects}
+        step = size / 3
+        for cell in range(9):
+            r, c = divmod(cell, 3)
+            rows, cols = (
+                slice(round(r * step), round((r + 1) * step)),
+                slice(round(c * step), round((c + 1) * step)),
+            )
+            block = img[rows, cols]
+            if cell not in cells:  # an empty cell is pure background: the object count and cells match
+                assert (block == bg).all(), (i, cell)
+                continue
+            obj = cells[cell]
+            assert obj.color != scene.background
+            # Shape and size: fully covered pixels have the object's color, uncovered ones the background's.
+            cov = synthetic.object_coverage(obj, size)
+            assert (img[cov == 1.0] == COLORS[obj.color]).all() and (cov == 1.0).sum() > 0
+            assert (block[cov[rows, cols] == 0] == bg).all()
+            cy, cx = synthetic.cell_center(cell, size)
+            center = img[int(cy), int(cx)]
+            # From 31 px up every shape covers the pixel at its cell center fully.
+            np.testing.assert_array_equal(center, COLORS[obj.color])
+    assert seen_counts == {1, 2, 3, 4}
+
+
+def test_caption_states_every_attribute():
+    ds = SyntheticShapes(32, 1000, max_objects=3)
+    for i in range(300):
+        cap, scene = ds.caption(i), ds.scene(i)
+        assert synthetic.parse_caption(cap) == scene
+        assert cap.endswith(f" {scene.background} background")
+        for o in scene.objects:
+            assert f"a {o.size} {o.color} {o.shape} {synthetic.CELL_PHRASES[o.cell]}" in cap
+        assert Scene.from_dict(scene.to_dict()) == scene
+    with pytest.raises(ValueError):
+        synthetic.parse_caption("a photo of a cat")
+
+
+def test_sizes_and_shapes_differ_at_every_resolution():
+    for size in (32, 64, 256, 512):
+        areas = {
+            (shape, sz): synthetic.object_coverage(SceneObject(shape, "red", sz, 4), size).sum()
+            for shape in synthetic.SHAPES
+            for sz in synthetic.SIZES
+        }
+        for shape in synthetic.SHAPES:
+            assert areas[shape, "large"] > 2.5 * areas[shape, "small"] > 0
+        masks = [synthetic.object_coverage(SceneObject(s, "red", "large", 0), size) for s in synthetic.SHAPES]
+        for m1, m2 in itertools.combinations(masks, 2):
+            assert np.abs(m1 - m2).sum() > 0.05 * m1.sum()
+        scene = Scene("white", (SceneObject("triangle", "black", "large", 8),))
+        img = synthetic.render_scene(scene, size)
+        assert img.shape == (size, size, 3)
+        # Anti-aliased edges: some pixels are strictly between the two colors.
+        assert ((img[..., 0] > 15) & (img[..., 0] < 245)).any()
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def test_tokenizer_round_trips_every_caption_without_unk():
+    ds = SyntheticShapes(32, 100_000, max_objects=9)
+    for i in range(400):
+        cap = ds.caption(i)
+        ids, mask = tokenizer.encode(cap, 96)
+        assert ids.dtype == np.int32 and mask.dtype == bool and ids.shape == mask.shape == (96,)
+        assert tokenizer.UNK_ID not in ids[mask] and (ids[~mask] == tokenizer.PAD_ID).all()
+        assert mask.sum() == tokenizer.num_tokens(cap)
+        assert tokenizer.decode(ids, mask) == cap == tokenizer.decode(ids)
+
+
+def test_vocabulary_covers_every_caption_word():
+    words = set(" ".join((*COLORS, *synthetic.SHAPES, *synthetic.SIZES, *synthetic.CELL_PHRASES)).split())
+    words |= {"a", "an", "and", "on", "background", ","}
+    assert words <= set(tokenizer.VOCAB)
+    assert tokenizer.VOCAB[0] == tokenizer.PAD and len(set(tokenizer.VOCAB)) == tokenizer.VOCAB_SIZE
+    # The base config's text.max_len=32 holds the longest caption of the default max_objects=3.
+    assert tokenizer.num_tokens(synthetic.longest_caption(3)) <= 32
+
+
+def test_tokenizer_truncation_unknown_and_batch():
+    ids, mask = tokenizer.encode("A Red zebra, on", 3)
+    assert mask.all() and ids[0] == tokenizer.VOCAB.index("a") and ids[2] == tokenizer.UNK_ID
+    assert tokenizer.decode(*tokenizer.encode("red circle.", 8)) == "red circle."
+    ids, mask = tokenizer.encode_batch(["red", "a blue square"], 5)
+    assert ids.shape == (2, 5) and mask.sum(1).tolist() == [1, 3]
+
+
+# ---------------------------------------------------------------- global order and pipeline
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 100, 1000])
+def test_global_order_is_a_fresh_permutation_each_epoch(n):
+    order = pipeline.GlobalOrder(n, seed=5)
+    idx = order(np.arange(3 * n))
+    for e in range(3):
+        assert sorted(idx[e * n : (e + 1) * n].tolist()) == list(range(n))
+    if n >= 100:
+        assert not np.array_equal(idx[:n], idx[n : 2 * n])
+        assert not np.array_equal(idx[:n], pipeline.GlobalOrder(n, seed=6)(np.arange(n)))
+    assert [int(order(k)) for k in range(0, 3 * n, max(1, n // 7))] == idx[:: max(1, n // 7)].tolist()
+
+
+def _take(it, k):
+    return [next(it) for _ in range(k)]
+
+
+def _concat(batches):
+    return {key: np.concatenate([b[key] for b in batches]) for key in batches[0]}
+
+
+def _assert_batches_equal(xs, ys):
+    assert len(xs) == len(ys)
+    for x, y in zip(xs, ys, strict=True):
+        assert x.keys() == y.keys()
+        for key in x:
+            np.testing.assert_array_equal(x[key], y[key], err_msg=key)
+
+
+def test_batch_contract():
+    cfg = _data_cfg()
+    (b,) = _take(pipeline.make_batch_iterator(cfg, 32, 8, 0, 1, 0), 1)
+    assert set(b) == {"image", "tokens", "text_mask", "index"}
+    assert b["image"].dtype == np.float32 and b["image"].shape == (8, 12, 12, 3)
+    assert b["image"].min() >= -1.0 and b["image"].max() <= 1.0
+    assert b["tokens"].dtype == np.int32 and b["tokens"].shape == (8, 32)
+    assert b["text_mask"].dtype == bool and b["index"].dtype == np.int64
+    ds = pipeline.dataset_from_config(cfg)
+    np.testing.assert_array_equal(b["index"], pipeline.GlobalOrder(24, cfg.seed)(np.arange(8)))
+    for row, i in enumerate(b["index"]):
+        s = ds[int(i)]
+        np.testing.assert_allclose(b["image"][row], s["image"] / 127.5 - 1.0, atol=1e-6)
+        assert tokenizer.decode(b["tokens"][row], b["text_mask"][row]) == s["caption"]
+    assert pipeline.captions_of(ds, b["index"]) == [ds.caption(int(i)) for i in b["index"]]
+
+
+def test_process_slices_concatenate_to_the_global_batch():
+    cfg = _data_cfg()
+    whole = _take(pipeline.make_batch_iterator(cfg, 32, 8, 0, 1, 0), 3)
+    parts = [_take(pipeline.make_batch_iterator(cfg, 32, 8, p, 2, 0), 3) for p in range(2)]
+    _assert_batches_equal(whole, [_concat(pair) for pair in zip(*parts, strict=True)])
+
+
+def test_resume_matches_a_fresh_iterator():
+    cfg = _data_cfg()
+    fresh = _take(pipeline.make_batch_iterator(cfg, 32, 8, 0, 1, 0), 5)
+    resumed = _take(pipeline.make_batch_iterator(cfg, 32, 8, 0, 1, 16), 3)
+    _assert_batches_equal(fresh[2:], resumed)
+
+
+def test_epoch_covers_every_index_once_and_is_endless():
+    cfg = _data_cfg()
+    it = pipeline.make_batch_iterator(cfg, 32, 8, 0, 1, 0)
+    epochs = [np.concatenate([b["index"] for b in _take(it, 3)]) for _ in range(3)]  # 24 samples per epoch
+    for idx in epochs:
+        assert sorted(idx.tolist()) == list(range(24))
+    assert not np.array_equal(epochs[0], epochs[1])
+
+
+def test_changing_process_count_continues_the_global_sequence():
+    cfg = _data_cfg()
+    whole = _take(pipeline.make_batch_iterator(cfg, 32, 8, 0, 1, 0), 4)
+    first = [_take(pipeline.make_batch_iterator(cfg, 32, 8, p, 2, 0), 2) for p in range(2)]
+    # Two processes consumed 2 global batches (position 16); four processes take over from there.
+    then = [_take(pipeline.make_batch_iterator(cfg, 32, 8, p, 4, 16), 2) for p in range(4)]
+    got = [_concat(g) for g in zip(*first, strict=True)] + [_concat(g) for g in zip(*then, strict=True)]
+    _assert_batches_equal(whole, got)
+    np.testing.assert_array_equal(pipeline.local_positions(8, 1, 4, 16, 2), [[18, 19], [26, 27]])
+
+
+def test_clear_errors():
+    cfg = _data_cfg()
+    with pytest.raises(ValueError, match="not divisible by process_count"):
+        pipeline.make_batch_iterator(cfg, 32, 6, 0, 4, 0)
+    with pytest.raises(ValueError, match="multiple of train.global_batch"):
+        pipeline.make_batch_iterator(cfg, 32, 8, 0, 2, 12)
+    with pytest.raises(ValueError, match="multiple of train.global_batch"):
+        pipeline.make_batch_iterator(cfg, 32, 8, 0, 2, -8)
+    with pytest.raises(ValueError, match="process_index"):
+        pipeline.make_batch_iterator(cfg, 32, 8, 2, 2, 0)
+    with pytest.raises(ValueError, match="text.max_len"):
+        pipeline.make_batch_iterator(cfg, 16, 8, 0, 1, 0)
+    with pytest.raises(ValueError, match="data.name='shards'"):
+        pipeline.dataset_from_config(_data_cfg(name="shards"))
+    with pytest.raises(ValueError, match="unknown data.name"):
+        pipeline.dataset_from_config(_data_cfg(name="imagenet"))

@@ -1,0 +1,193 @@
+"""The DiT: shapes, the bottleneck embedding against its plain math, text handling, RoPE, TREAD, gradients."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from util import tiny_config
+
+from reve_jax.model import routing
+from reve_jax.model.layers import apply_rope, patchify, rope_angles, unpatchify
+from reve_jax.train_state import build_model
+
+
+def _inputs(cfg, b=4, seed=0):
+    rng = np.random.default_rng(seed)
+    s, L = cfg.data.image_size, cfg.text.max_len
+    z = jnp.asarray(rng.standard_normal((b, s, s, 3)), jnp.float32)
+    t = jnp.asarray(rng.uniform(0.05, 0.95, b), jnp.float32)
+    lengths = rng.integers(3, L, b)
+    mask = np.arange(L)[None] < lengths[:, None]
+    tokens = np.where(mask, rng.integers(2, 30, (b, L)), 0).astype(np.int32)
+    return z, t, {"tokens": jnp.asarray(tokens), "text_mask": jnp.asarray(mask)}
+
+
+def _perturbed(model, scale=0.05, seed=1):
+    """Random values in every parameter (zero-initialised gates would hide most of the network)."""
+    graphdef, params = nnx.split(model)
+    params = nnx.to_pure_dict(params)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    leaves = [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)]
+    return graphdef, jax.tree.unflatten(treedef, leaves)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _apply(graphdef, params, z, t, text, drop=None, route_key=None):
+    return nnx.merge(graphdef, params)(z, t, text, drop=drop, route_key=route_key)
+
+
+def test_output_shape_and_zero_init():
+    cfg = tiny_config()
+    graphdef, params = nnx.split(build_model(cfg))
+    z, t, text = _inputs(cfg)
+    out, aux = _apply(graphdef, nnx.to_pure_dict(params), z, t, text)
+    assert out.shape == z.shape and out.dtype == jnp.float32 and aux == {}
+    # adaLN-Zero: the final projection starts at zero, so the initial output is exactly zero.
+    assert float(jnp.abs(out).max()) == 0.0
+
+
+def test_patchify_roundtrip_and_order():
+    x = jnp.arange(2 * 8 * 8 * 3, dtype=jnp.float32).reshape(2, 8, 8, 3)
+    p = patchify(x, 4)
+    assert p.shape == (2, 4, 48)
+    np.testing.assert_array_equal(p[0, 1], np.asarray(x[0, 0:4, 4:8, :]).reshape(-1))  # top-right patch
+    np.testing.assert_array_equal(unpatchify(p, 4, 8, 8), x)
+
+
+def test_bottleneck_embedding_matches_plain_math():
+    cfg = tiny_config("model.bottleneck=5")
+    model = build_model(cfg)
+    z, _, _ = _inputs(cfg)
+    pe = model.patch_embed
+    got = np.asarray(pe(z))
+    x = np.asarray(z, np.float64)
+    b, s, p = x.shape[0], x.shape[1], cfg.model.patch
+    patches = x.reshape(b, s // p, p, s // p, p, 3).transpose(0, 1, 3, 2, 4, 5).reshape(b, -1, p * p * 3)
+    w1 = np.asarray(pe.proj_in.kernel[...], np.float64)
+    w2 = np.asarray(pe.proj_out.kernel[...], np.float64)
+    want = patches @ w1 @ w2 + np.asarray(pe.proj_out.bias[...], np.float64)
+    assert w1.shape == (p * p * 3, 5) and pe.proj_in.bias is None
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_plain_embedding_without_bottleneck():
+    model = build_model(tiny_config("model.bottleneck=0"))
+    assert model.patch_embed.proj_in is None
+    assert model.patch_embed.proj_out.kernel.shape == (48, 32)
+
+
+def test_text_padding_and_dropped_captions_do_not_leak():
+    cfg = tiny_config()
+    graphdef, params = _perturbed(build_model(cfg))
+    z, t, text = _inputs(cfg)
+    out, _ = _apply(graphdef, params, z, t, text)
+    noisy = dict(text, tokens=jnp.where(text["text_mask"], text["tokens"], 7))  # change only padding
+    out2, _ = _apply(graphdef, params, z, t, noisy)
+    np.testing.assert_allclose(out, out2, atol=1e-6)
+    # A dropped caption is the null caption, whatever the text.
+    drop = jnp.ones((z.shape[0],), bool)
+    other = dict(text, tokens=(text["tokens"] * 3) % 30)
+    a, _ = _apply(graphdef, params, z, t, text, drop=drop)
+    b, _ = _apply(graphdef, params, z, t, other, drop=drop)
+    np.testing.assert_allclose(a, b, atol=1e-6)
+    assert float(jnp.abs(a - out).max()) > 1e-4  # and conditioning matters
+
+
+def test_precomputed_text_embeddings():
+    cfg = tiny_config("text.encoder='precomputed'", "text.emb_dim=24")
+    model = build_model(cfg)
+    assert model.text.encoder is None
+    z, t, text = _inputs(cfg)
+    emb = jax.random.normal(jax.random.key(0), text["tokens"].shape + (24,))
+    out, _ = model(z, t, {"text_emb": emb, "text_mask": text["text_mask"]})
+    assert out.shape == z.shape
+
+
+def test_rope_is_relative():
+    d = 16
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, 1, 1, d)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((1, 1, 1, d)), jnp.float32)
+
+    def score(pq, pk):
+        aq = rope_angles(jnp.asarray([[pq]]), d, 100.0)
+        ak = rope_angles(jnp.asarray([[pk]]), d, 100.0)
+        return float(jnp.sum(apply_rope(q, aq) * apply_rope(k, ak)))
+
+    assert score((2, 3), (5, 1)) == pytest.approx(score((4, 7), (7, 5)), rel=1e-5)
+    assert score((2, 3), (5, 1)) != pytest.approx(score((2, 3), (1, 5)), rel=1e-3)
+    np.testing.assert_allclose(jnp.linalg.norm(apply_rope(q, rope_angles(jnp.asarray([[(3, 4)]]), d, 100.0))),
+                               jnp.linalg.norm(q), rtol=1e-6)
+
+
+def test_routing_gather_scatter_roundtrip():
+    x = jnp.arange(2 * 6 * 3, dtype=jnp.float32).reshape(2, 6, 3)
+    idx = routing.sample_keep_indices(jax.random.key(0), 2, 6, 3)
+    assert idx.shape == (2, 3) and bool(jnp.all(jnp.diff(idx, axis=1) > 0))
+    kept = routing.gather_tokens(x, idx)
+    np.testing.assert_array_equal(routing.scatter_tokens(jnp.zeros_like(x), kept, idx).sum(), kept.sum())
+    np.testing.assert_array_equal(routing.scatter_tokens(x, kept, idx), x)
+
+
+def _identity_span_params(cfg, graphdef, params):
+    """Zero the adaLN of the routed blocks: they become exactly the identity."""
+    start, end = routing.route_span(cfg.model.depth, cfg.model.route.start, cfg.model.route.end)
+    for i in range(start, end):
+        params["blocks"][i]["adaln"] = jax.tree.map(jnp.zeros_like, params["blocks"][i]["adaln"])
+    return params
+
+
+def test_tread_identity_blocks_return_tokens_bit_identical():
+    cfg = tiny_config("model.depth=4", "model.route.enabled=True", "model.route.start=1", "model.route.end=3")
+    graphdef, params = _perturbed(build_model(cfg))
+    params = _identity_span_params(cfg, graphdef, params)
+    z, t, text = _inputs(cfg)
+    full, _ = _apply(graphdef, params, z, t, text)
+    routed, _ = _apply(graphdef, params, z, t, text, route_key=jax.random.key(3))
+    np.testing.assert_array_equal(np.asarray(full), np.asarray(routed))
+
+
+def test_tread_routes_in_training_and_not_at_evaluation():
+    on = tiny_config("model.depth=4", "model.route.enabled=True", "model.repa_block=1")
+    graphdef, params = _perturbed(build_model(on))
+    z, t, text = _inputs(on)
+    full, aux_full = _apply(graphdef, params, z, t, text)
+    routed, aux = _apply(graphdef, params, z, t, text, route_key=jax.random.key(0))
+    assert float(jnp.abs(full - routed).max()) > 1e-5  # routing changes the computation
+    n = (on.data.image_size // on.model.patch) ** 2
+    keep = routing.keep_count(n, on.model.route.keep_ratio)
+    assert aux["repa"].shape == (z.shape[0], keep, on.model.width)  # REPA sees the kept tokens only
+    assert aux_full["repa"].shape == (z.shape[0], n, on.model.width)
+    # Without a route key (evaluation, sampling) the routed config computes the plain model exactly.
+    off = tiny_config("model.depth=4", "model.repa_block=1")
+    plain, _ = _apply(nnx.graphdef(build_model(off)), params, z, t, text)
+    np.testing.assert_array_equal(np.asarray(full), np.asarray(plain))
+
+
+def test_gradients_reach_every_parameter():
+    cfg = tiny_config("model.route.enabled=True", "model.route.start=0", "model.route.end=1")
+    graphdef, params = _perturbed(build_model(cfg))
+    z, t, text = _inputs(cfg)
+    drop = jnp.asarray([True, False, False, False])
+
+    def loss(p):
+        out, _ = _apply(graphdef, p, z, t, text, drop=drop, route_key=jax.random.key(0))
+        return jnp.mean(jnp.square(out - z))
+
+    grads = jax.grad(loss)(params)
+    flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+    dead = [jax.tree_util.keystr(path) for path, g in flat if not float(jnp.abs(g).max()) > 0]
+    assert not dead, f"no gradient reaches {dead}"
+
+
+def test_bf16_compute_keeps_fp32_params():
+    cfg = tiny_config("model.dtype='bfloat16'")
+    model = build_model(cfg)
+    assert model.blocks[0].attn.q.kernel[...].dtype == jnp.float32
+    z, t, text = _inputs(cfg)
+    out, _ = model(z, t, text)
+    assert out.dtype == jnp.float32

@@ -1,0 +1,124 @@
+"""The training loop end to end: exact resume, train.py in a subprocess with SIGTERM and its artifacts, NaN
+handling, and a tiny overfit."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+from util import TINY, tiny_config
+
+from reve_jax import sharding, train_state, trainer
+from reve_jax.checkpoint import Checkpointer
+from reve_jax.data import pipeline
+
+
+class StopAt:
+    """A stand-in for the elastic worker context that asks the loop to stop at a given step."""
+
+    def __init__(self, step):
+        self.stop_step, self.step = step, 0
+
+    def beat(self, step, phase="train"):
+        self.step = step
+
+    def stop_requested(self):
+        return self.step >= self.stop_step
+
+
+def _final(workdir, cfg):
+    setup = train_state.make_setup(cfg, sharding.make_mesh(cfg.mesh))
+    state, meta = Checkpointer(workdir).restore_latest(setup.abstract_state)
+    return jax.device_get(state), meta
+
+
+def _losses(workdir):
+    return {r["step"]: r["loss"] for r in map(json.loads, (workdir / "metrics.jsonl").read_text().splitlines())}
+
+
+def test_resume_is_exact(tmp_path):
+    cfg = tiny_config("train.steps=6", "train.log_every=1", "optim.name='muon'")
+    trainer.run(cfg, tmp_path / "straight")
+    first = trainer.run(cfg, tmp_path / "split", worker=StopAt(3))
+    assert first == dict(first, reason="stopped", step=3)
+    second = trainer.run(cfg, tmp_path / "split")
+    assert second["start_step"] == 3 and second["step"] == 6
+    a, meta_a = _final(tmp_path / "straight", cfg)
+    b, meta_b = _final(tmp_path / "split", cfg)
+    assert meta_a["step"] == meta_b["step"] == 6 and meta_b["data_position"] == 6 * cfg.train.global_batch
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(x, y, err_msg=jax.tree_util.keystr(path))
+    assert _losses(tmp_path / "straight") == _losses(tmp_path / "split")
+
+
+def test_nan_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(tmp_path):
+    cfg = tiny_config("train.steps=2")
+    trainer.run(cfg, tmp_path)
+    good, _ = _final(tmp_path, cfg)
+    bad = tiny_config("train.steps=8", "optim.lr=1e38", "optim.clip_norm=0.0", "optim.warmup_steps=0")
+    with pytest.raises(trainer.NonFiniteError, match="non-finite metrics at step"):
+        trainer.run(bad, tmp_path)
+    after, meta = _final(tmp_path, cfg)
+    assert meta["step"] == 2
+    for x, y in zip(jax.tree.leaves(good), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_tiny_overfit_drives_the_loss_down():
+    cfg = tiny_config("optim.lr=3e-3", "optim.warmup_steps=5", "diffusion.caption_drop=0.0",
+                      "diffusion.t_sampler='uniform'")
+    mesh = sharding.make_mesh(cfg.mesh)
+    setup = train_state.make_setup(cfg, mesh)
+    state = train_state.init_state(setup)
+    it = pipeline.make_batch_iterator(cfg.data, cfg.text.max_len, 8, 0, 1, 0)
+    batch = sharding.global_batch_from_local({k: v for k, v in next(it).items() if k != "index"}, mesh, 8)
+    step = train_state.jit_train_step(setup, jax.tree.map(lambda a: a.sharding, batch))
+    losses = []
+    with jax.set_mesh(mesh):
+        for _ in range(150):
+            state, m = step(state, batch)
+            losses.append(float(m["loss"]))
+    assert np.mean(losses[-20:]) < 0.3 * np.mean(losses[:20]), (losses[:5], losses[-5:])
+
+
+def _train_cmd(workdir, *extra):
+    return [sys.executable, "scripts/train.py", "--config", "configs/tiny.py", "--workdir", str(workdir),
+            *(f"--config.{o}" for o in TINY), *extra]
+
+
+def test_train_script_end_to_end_with_sigterm_and_resume(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    log = open(tmp_path / "train.log", "w")
+    cmd = _train_cmd(tmp_path, "--config.train.steps=100000", "--config.train.log_every=1")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None:
+            metrics = tmp_path / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.5)
+        assert proc.poll() is None, (tmp_path / "train.log").read_text()[-3000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == 0, (tmp_path / "train.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stopped = json.loads((tmp_path / "summary.json").read_text())
+    assert stopped["reason"] == "stopped"
+    assert Checkpointer(tmp_path).steps()[-1] == stopped["step"]
+    # The next launch resumes where the stop left off and finishes.
+    final_step = stopped["step"] + 2
+    done = subprocess.run(_train_cmd(tmp_path, f"--config.train.steps={final_step}"), env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary == dict(summary, reason="finished", start_step=stopped["step"], step=final_step)
+    assert list((tmp_path / "samples").glob("*.png")) and (tmp_path / "loss.png").stat().st_size > 1000
+    assert list((tmp_path / "tb").iterdir()) and (tmp_path / "config.json").exists()
+    assert max(_losses(tmp_path)) == final_step
