@@ -83,8 +83,13 @@ class Checkpointer:
                 result = (restored["state"], dict(restored["meta"]))
                 break
             except Exception as e:  # any failure to read means this step is unusable; keep the files
-                log.warning("checkpoint %d in %s could not be restored (%s: %s); trying the previous one",
-                            step, self.directory, type(e).__name__, str(e)[:500])
+                log.warning(
+                    "checkpoint %d in %s could not be restored (%s: %s); trying the previous one",
+                    step,
+                    self.directory,
+                    type(e).__name__,
+                    str(e)[:500],
+                )
                 bad.append(step)
         if bad:
             self._quarantine(bad)

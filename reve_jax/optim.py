@@ -109,9 +109,7 @@ def scale_by_muon(momentum: float, nesterov: bool, ns_steps: int, scale: str) ->
         del params
         mu = jax.tree.map(lambda m, g: momentum * m + (1 - momentum) * g, state.mu, updates)
         # Nesterov: look ahead one more momentum step along the current gradient.
-        direction = (
-            jax.tree.map(lambda m, g: momentum * m + (1 - momentum) * g, mu, updates) if nesterov else mu
-        )
+        direction = jax.tree.map(lambda m, g: momentum * m + (1 - momentum) * g, mu, updates) if nesterov else mu
 
         def orthogonalise(d):
             if d.ndim != 2:
@@ -242,9 +240,7 @@ def build_optimizer(optim_cfg, params, total_steps: int):
 
     muon_peak = optim_cfg.muon_lr if optim_cfg.muon_lr > 0 else optim_cfg.lr
     muon = optax.chain(
-        scale_by_muon(
-            optim_cfg.muon_momentum, optim_cfg.muon_nesterov, optim_cfg.muon_ns_steps, optim_cfg.muon_scale
-        ),
+        scale_by_muon(optim_cfg.muon_momentum, optim_cfg.muon_nesterov, optim_cfg.muon_ns_steps, optim_cfg.muon_scale),
         optax.add_decayed_weights(optim_cfg.muon_weight_decay),
         optax.scale_by_learning_rate(lr_schedule(optim_cfg, muon_peak, total_steps)),
     )

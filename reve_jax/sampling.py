@@ -63,3 +63,37 @@ def fixed_noise(cfg, n: int, seed: int | None = None) -> np.ndarray:
     size = cfg.data.image_size
     rng = np.random.default_rng(cfg.sample.seed if seed is None else seed)
     return (cfg.diffusion.noise_scale * rng.standard_normal((n, size, size, 3))).astype(np.float32)
+
+
+def render_from_checkpoint(
+    workdir, prompts, *, out=None, steps=None, cfg_scale=None, sampler=None, seed=0, use_ema=True
+):
+    """Restore the newest checkpoint of `workdir` (with the config saved beside it) and write a grid of one
+    image per prompt to `out` (default <workdir>/samples/cli.png). Returns the PNG path."""
+    from pathlib import Path
+
+    from reve_jax import checkpoint, config, sharding, train_state, viz
+
+    workdir = Path(workdir)
+    ckpt = checkpoint.Checkpointer(workdir)
+    if not ckpt.steps():
+        raise checkpoint.CheckpointError(f"no checkpoint in {workdir / 'checkpoints'}: train first")
+    cfg = config.from_json(ckpt.restore_meta(ckpt.steps()[-1])["config"])
+    if cfg.text.encoder != "builtin":
+        raise ValueError(
+            "this run uses precomputed text embeddings; sample.py encodes prompts with the built-in tokenizer only"
+        )
+    mesh = sharding.make_mesh(cfg.mesh)
+    setup = train_state.make_setup(cfg, mesh)
+    state, meta = ckpt.restore_latest(setup.abstract_state)
+    ckpt.close()
+    params = state["ema"]["ema0"] if use_ema else state["params"]
+    fn = make_sampler(cfg, setup.graphdef, steps=steps, cfg_scale=cfg_scale, sampler=sampler)
+    text = encode_prompts(list(prompts), cfg.text.max_len)
+    noise = fixed_noise(cfg, len(prompts), seed)
+    with jax.set_mesh(mesh):
+        images = np.asarray(jax.device_get(fn(params, text, noise, jax.random.key(seed))))
+    out = Path(out) if out else workdir / "samples" / "cli.png"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    viz.save_sample_grid(out, images, [f"{p} (step {meta['step']})" for p in prompts])
+    return out

@@ -123,9 +123,7 @@ def global_batch_from_local(local: dict, mesh: Mesh, global_batch: int) -> dict:
     out = {}
     for k, v in local.items():
         v = np.asarray(v)
-        out[k] = jax.make_array_from_process_local_data(
-            batch_sharding(mesh, v.ndim), v, (global_batch,) + v.shape[1:]
-        )
+        out[k] = jax.make_array_from_process_local_data(batch_sharding(mesh, v.ndim), v, (global_batch,) + v.shape[1:])
     return out
 
 

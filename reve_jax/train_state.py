@@ -74,9 +74,7 @@ def make_setup(cfg, mesh) -> Setup:
         "step": jax.ShapeDtypeStruct((), jnp.int32),
         "rng": jax.ShapeDtypeStruct((2,), jnp.uint32),
     }
-    abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_shardings
-    )
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_shardings)
     labels = optim.param_groups(cfg.optim, abstract_params)
     return Setup(cfg, mesh, graphdef, opt, schedule, abstract, state_shardings, labels)
 
@@ -162,8 +160,7 @@ def make_train_step(setup: Setup):
         updates, opt_state = setup.optimizer.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
         ema = {
-            k: diffusion.ema_update(state["ema"][k], new_params, d)
-            for k, d in zip(ema_keys(cfg), decays, strict=True)
+            k: diffusion.ema_update(state["ema"][k], new_params, d) for k, d in zip(ema_keys(cfg), decays, strict=True)
         }
         metrics = dict(
             metrics,

@@ -88,8 +88,10 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
     # ---------------------------------------------------------------- State
     setup = train_state.make_setup(cfg, mesh)
     if is_main:
-        log.info("parameter groups:\n%s",
-                 optim.describe_param_groups(setup.abstract_state["params"], setup.param_labels))
+        log.info(
+            "parameter groups:\n%s",
+            optim.describe_param_groups(setup.abstract_state["params"], setup.param_labels),
+        )
     ckpt = checkpoint.Checkpointer(workdir, keep=tr.ckpt_keep, async_save=tr.ckpt_async)
     beat(0, "restoring")
     restored = ckpt.restore_latest(setup.abstract_state)
@@ -132,8 +134,12 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     if mem is not None and is_main:
-        log.info("compiled train step in %.1fs; per-device temp %.1f MiB, args %.1f MiB",
-                 compile_s, mem.temp_size_in_bytes / 2**20, mem.argument_size_in_bytes / 2**20)
+        log.info(
+            "compiled train step in %.1fs; per-device temp %.1f MiB, args %.1f MiB",
+            compile_s,
+            mem.temp_size_in_bytes / 2**20,
+            mem.argument_size_in_bytes / 2**20,
+        )
     flops_per_step = flops.train_flops_per_image(cfg) * tr.global_batch
     peak, peak_src = metrics.peak_tflops(tr.peak_tflops)
     peak_total = peak * jax.device_count()
@@ -144,14 +150,22 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
     stop.install()
     progress = _progress(is_main, start_step, tr.steps)
     step = start_step
-    pending, batch = None, batch0
+    batch = batch0
     t_last, steps_since = time.perf_counter(), 0
     data_wait = 0.0
     reason = "finished"
 
     def save(step_now: int, wait: bool = False):
-        ckpt.save(step_now, state, {"data_position": step_now * tr.global_batch, "config": config.to_json(cfg),
-                                    "mesh": dict(mesh.shape), "processes": jax.process_count()})
+        ckpt.save(
+            step_now,
+            state,
+            {
+                "data_position": step_now * tr.global_batch,
+                "config": config.to_json(cfg),
+                "mesh": dict(mesh.shape),
+                "processes": jax.process_count(),
+            },
+        )
         if wait:
             ckpt.wait()
 
@@ -190,8 +204,15 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
                     dt = time.perf_counter() - t_last
                     ips = steps_since * tr.global_batch / dt
                     tflops = steps_since * flops_per_step / dt / 1e12
-                    record = dict(values, step_time=dt / steps_since, images_per_s=ips, tflops=tflops,
-                                  mfu=tflops / peak_total, data_wait_frac=data_wait / dt, epoch_position=step)
+                    record = dict(
+                        values,
+                        step_time=dt / steps_since,
+                        images_per_s=ips,
+                        tflops=tflops,
+                        mfu=tflops / peak_total,
+                        data_wait_frac=data_wait / dt,
+                        epoch_position=step,
+                    )
                     writer.write(step, record)
                     progress.set_postfix(loss=f"{values['loss']:.4f}", ips=f"{ips:.0f}")
                     t_last, steps_since, data_wait = time.perf_counter(), 0, 0.0
@@ -215,8 +236,13 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
         ckpt.close()
     if is_main and reason == "finished":
         viz.save_loss_plot(workdir / "loss.png", workdir / "metrics.jsonl")
-    summary = {"reason": reason, "step": step, "start_step": start_step, "compile_s": compile_s,
-               "peak_tflops_source": peak_src}
+    summary = {
+        "reason": reason,
+        "step": step,
+        "start_step": start_step,
+        "compile_s": compile_s,
+        "peak_tflops_source": peak_src,
+    }
     if is_main:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

@@ -14,7 +14,7 @@ import pytest
 from util import tiny_config
 
 from reve_jax import sharding, train_state
-from reve_jax.checkpoint import CheckpointError, Checkpointer
+from reve_jax.checkpoint import Checkpointer, CheckpointError
 
 
 def _setup(devices, *extra):
@@ -119,8 +119,12 @@ CRASH_SCRIPT = textwrap.dedent("""
 
 
 def test_crash_during_save_leaves_previous_checkpoint_usable(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", CRASH_SCRIPT, str(tmp_path)], stdout=subprocess.PIPE,
-                            text=True, env=dict(os.environ, PYTHONPATH=os.getcwd(), JAX_PLATFORMS="cpu"))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CRASH_SCRIPT, str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=os.getcwd(), JAX_PLATFORMS="cpu"),
+    )
     try:
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -135,8 +139,9 @@ def test_crash_during_save_leaves_previous_checkpoint_usable(tmp_path):
             proc.kill()
     ckpt = Checkpointer(tmp_path)
     assert ckpt.steps() == [1], "the interrupted save must not count as a complete checkpoint"
-    abstract = {"w": jax.ShapeDtypeStruct((10,), np.float32, sharding=jax.sharding.SingleDeviceSharding(
-        jax.devices()[0]))}
+    abstract = {
+        "w": jax.ShapeDtypeStruct((10,), np.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+    }
     restored, meta = ckpt.restore_latest(abstract)
     np.testing.assert_array_equal(restored["w"], np.arange(10.0))
     assert meta["step"] == 1

@@ -28,8 +28,10 @@ def test_named_sizes_match_the_recipe():
 
 
 def test_override_sets_typed_value():
-    cfg = load_config("configs/tiny.py", ["--config.model.depth=3", "--config.optim.name=muon",
-                                          "--config.sample.cfg_interval=(0.1, 0.9)"])
+    cfg = load_config(
+        "configs/tiny.py",
+        ["--config.model.depth=3", "--config.optim.name=muon", "--config.sample.cfg_interval=(0.1, 0.9)"],
+    )
     assert cfg.model.depth == 3 and cfg.optim.name == "muon" and cfg.sample.cfg_interval == (0.1, 0.9)
 
 
@@ -54,15 +56,12 @@ def test_bad_config_is_a_clear_error(override, message):
 
 def test_experiment_file_cannot_add_keys(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("from configs import base\n\ndef get_config():\n    c = base.get_config()\n"
-                   "    c.model.dpeth = 3\n    return c\n")
-    cfg_dir = tmp_path / "configs"
-    cfg_dir.mkdir()
-    (cfg_dir / "base.py").write_text(open("configs/base.py").read())
-    (cfg_dir / "__init__.py").write_text("")
-    (cfg_dir / "bad.py").write_text(bad.read_text())
+    bad.write_text(
+        "from configs import base\n\ndef get_config():\n    c = base.get_config()\n"
+        "    c.model.dpeth = 3\n    return c\n"
+    )
     with pytest.raises(ConfigError, match="dpeth"):
-        load_config(str(cfg_dir / "bad.py"))
+        load_config(str(bad))
 
 
 def test_missing_config_file():
@@ -82,9 +81,18 @@ def test_mesh_that_does_not_fit_is_a_clear_error():
 
 def test_train_script_reports_bad_key_before_compiling(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "scripts/train.py", "--config", "configs/tiny.py", "--workdir", str(tmp_path / "w"),
-         "--config.model.widht=64"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "scripts/train.py",
+            "--config",
+            "configs/tiny.py",
+            "--workdir",
+            str(tmp_path / "w"),
+            "--config.model.widht=64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode != 0
     assert "unknown config key 'model.widht'" in proc.stderr

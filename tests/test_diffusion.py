@@ -10,9 +10,20 @@ from reve_jax import diffusion
 
 
 def _cfg(**kw):
-    c = ml_collections.ConfigDict(dict(prediction="x", loss_space="v", t_sampler="logit_normal", t_mean=-0.8,
-                                       t_std=0.8, t_shift=1.0, t_uniform_frac=0.0, t_eps=0.05, noise_scale=1.0,
-                                       caption_drop=0.1))
+    c = ml_collections.ConfigDict(
+        dict(
+            prediction="x",
+            loss_space="v",
+            t_sampler="logit_normal",
+            t_mean=-0.8,
+            t_std=0.8,
+            t_shift=1.0,
+            t_uniform_frac=0.0,
+            t_eps=0.05,
+            noise_scale=1.0,
+            caption_drop=0.1,
+        )
+    )
     c.update(kw)
     return c
 

@@ -120,8 +120,11 @@ def test_rope_is_relative():
 
     assert score((2, 3), (5, 1)) == pytest.approx(score((4, 7), (7, 5)), rel=1e-5)
     assert score((2, 3), (5, 1)) != pytest.approx(score((2, 3), (1, 5)), rel=1e-3)
-    np.testing.assert_allclose(jnp.linalg.norm(apply_rope(q, rope_angles(jnp.asarray([[(3, 4)]]), d, 100.0))),
-                               jnp.linalg.norm(q), rtol=1e-6)
+    np.testing.assert_allclose(
+        jnp.linalg.norm(apply_rope(q, rope_angles(jnp.asarray([[(3, 4)]]), d, 100.0))),
+        jnp.linalg.norm(q),
+        rtol=1e-6,
+    )
 
 
 def test_routing_gather_scatter_roundtrip():

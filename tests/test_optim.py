@@ -185,9 +185,7 @@ def test_describe_param_groups():
 def test_adamw_group_matches_optax_adamw(name):
     shapes = dit_like_shapes(depth=1)
     cfg = make_cfg(name=name, clip_norm=0.0, lr=1e-2, muon_lr=0.05, b1=0.8, b2=0.9, eps=1e-6)
-    cfg.update(
-        dict(weight_decay=0.1, muon_weight_decay=0.3, schedule="cosine", warmup_steps=2, min_lr_ratio=0.1)
-    )
+    cfg.update(dict(weight_decay=0.1, muon_weight_decay=0.3, schedule="cosine", warmup_steps=2, min_lr_ratio=0.1))
     tx, _ = optim.build_optimizer(cfg, shapes, total_steps=6)
     params = random_like(shapes, 0)
     grads_seq = [random_like(shapes, 1 + i) for i in range(4)]
@@ -293,9 +291,7 @@ def test_clipping_applies_before_both_groups():
     grads_seq = [random_like(shapes, 1, scale=10.0), random_like(shapes, 2, scale=1e-3)]
     norms = [float(optax.tree.norm(g)) for g in grads_seq]
     assert norms[0] > 1.0 > norms[1]
-    clipped_seq = [
-        jax.tree.map(lambda x, n=n: x / max(1.0, n), g) for g, n in zip(grads_seq, norms, strict=True)
-    ]
+    clipped_seq = [jax.tree.map(lambda x, n=n: x / max(1.0, n), g) for g, n in zip(grads_seq, norms, strict=True)]
 
     def build(clip):
         return optim.build_optimizer(make_cfg(name="muon", clip_norm=clip, warmup_steps=0), shapes, 10)[0]

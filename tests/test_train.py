@@ -70,8 +70,9 @@ def test_nan_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(tmp_p
 
 
 def test_tiny_overfit_drives_the_loss_down():
-    cfg = tiny_config("optim.lr=3e-3", "optim.warmup_steps=5", "diffusion.caption_drop=0.0",
-                      "diffusion.t_sampler='uniform'")
+    cfg = tiny_config(
+        "optim.lr=3e-3", "optim.warmup_steps=5", "diffusion.caption_drop=0.0", "diffusion.t_sampler='uniform'"
+    )
     mesh = sharding.make_mesh(cfg.mesh)
     setup = train_state.make_setup(cfg, mesh)
     state = train_state.init_state(setup)
@@ -87,15 +88,23 @@ def test_tiny_overfit_drives_the_loss_down():
 
 
 def _train_cmd(workdir, *extra):
-    return [sys.executable, "scripts/train.py", "--config", "configs/tiny.py", "--workdir", str(workdir),
-            *(f"--config.{o}" for o in TINY), *extra]
+    return [
+        sys.executable,
+        "scripts/train.py",
+        "--config",
+        "configs/tiny.py",
+        "--workdir",
+        str(workdir),
+        *(f"--config.{o}" for o in TINY),
+        *extra,
+    ]
 
 
 def test_train_script_end_to_end_with_sigterm_and_resume(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
-    log = open(tmp_path / "train.log", "w")
     cmd = _train_cmd(tmp_path, "--config.train.steps=100000", "--config.train.log_every=1")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    with open(tmp_path / "train.log", "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.time() + 240
         while time.time() < deadline and proc.poll() is None:
@@ -114,8 +123,13 @@ def test_train_script_end_to_end_with_sigterm_and_resume(tmp_path):
     assert Checkpointer(tmp_path).steps()[-1] == stopped["step"]
     # The next launch resumes where the stop left off and finishes.
     final_step = stopped["step"] + 2
-    done = subprocess.run(_train_cmd(tmp_path, f"--config.train.steps={final_step}"), env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        _train_cmd(tmp_path, f"--config.train.steps={final_step}"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary == dict(summary, reason="finished", start_step=stopped["step"], step=final_step)

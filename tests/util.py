@@ -3,11 +3,29 @@
 from reve_jax.config import apply_override, load_config, validate
 
 TINY = [
-    "model.width=32", "model.depth=2", "model.heads=2", "model.patch=4", "model.bottleneck=8",
-    "model.dtype='float32'", "text.width=32", "text.depth=1", "text.heads=2", "text.max_len=16",
-    "data.image_size=16", "data.max_objects=1", "data.worker_threads=0", "train.global_batch=8",
-    "train.steps=4", "train.log_every=2", "train.ckpt_every=2", "train.sample_every=0", "train.ckpt_async=False",
-    "sample.num=2", "sample.steps=2", "optim.warmup_steps=2", "ema.decays=(0.9,)",
+    "model.width=32",
+    "model.depth=2",
+    "model.heads=2",
+    "model.patch=4",
+    "model.bottleneck=8",
+    "model.dtype='float32'",
+    "text.width=32",
+    "text.depth=1",
+    "text.heads=2",
+    "text.max_len=16",
+    "data.image_size=16",
+    "data.max_objects=1",
+    "data.worker_threads=0",
+    "train.global_batch=8",
+    "train.steps=4",
+    "train.log_every=2",
+    "train.ckpt_every=2",
+    "train.sample_every=0",
+    "train.ckpt_async=False",
+    "sample.num=2",
+    "sample.steps=2",
+    "optim.warmup_steps=2",
+    "ema.decays=(0.9,)",
 ]
 
 

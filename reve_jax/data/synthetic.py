@@ -244,9 +244,7 @@ class SyntheticShapes:
       max_objects: at most this many objects per image (1..9).
     """
 
-    def __init__(
-        self, image_size: int = 32, num_samples: int = 1_000_000, seed: int = 0, max_objects: int = 3
-    ):
+    def __init__(self, image_size: int = 32, num_samples: int = 1_000_000, seed: int = 0, max_objects: int = 3):
         if image_size < 9:
             raise ValueError(f"data.image_size={image_size}: need at least 9 pixels (3 per grid cell)")
         if num_samples < 1:

@@ -36,8 +36,12 @@ class BuiltinTextEncoder(nnx.Module):
     def __init__(self, vocab: int, max_len: int, width: int, depth: int, heads: int, *, eps, rngs, dtype, param_dtype):
         init = nnx.initializers.normal(0.02)
         self.embed = nnx.Embed(
-            vocab, width, embedding_init=nnx.with_partitioning(init, ("vocab", None)),
-            dtype=dtype, param_dtype=param_dtype, rngs=rngs,
+            vocab,
+            width,
+            embedding_init=nnx.with_partitioning(init, ("vocab", None)),
+            dtype=dtype,
+            param_dtype=param_dtype,
+            rngs=rngs,
         )
         self.pos = nnx.Param(nnx.with_partitioning(init, (None, None))(rngs.params(), (max_len, width), param_dtype))
         self.blocks = nnx.List(
@@ -65,8 +69,15 @@ class TextConditioner(nnx.Module):
         self.source = t.encoder
         if t.encoder == "builtin":
             self.encoder = BuiltinTextEncoder(
-                vocab_size, t.max_len, t.width, t.depth, t.heads, eps=cfg.model.norm_eps,
-                rngs=rngs, dtype=dtype, param_dtype=param_dtype,
+                vocab_size,
+                t.max_len,
+                t.width,
+                t.depth,
+                t.heads,
+                eps=cfg.model.norm_eps,
+                rngs=rngs,
+                dtype=dtype,
+                param_dtype=param_dtype,
             )
             in_dim = t.width
         else:

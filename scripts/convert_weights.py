@@ -1,0 +1,49 @@
+"""Converts official PyTorch checkpoints of the perceptual networks into the `.npz` files the trainer loads.
+
+    # LPIPS: torchvision's VGG16 (IMAGENET1K_V1) state dict + the heads shipped in the lpips package
+    python scripts/convert_weights.py lpips --vgg vgg16-397923af.pth --out weights/lpips_vgg.npz \
+        [--lin .../lpips/weights/v0.1/vgg.pth]
+
+    # DINOv2: a torch-hub checkpoint, a .safetensors file, or a transformers save_pretrained directory
+    python scripts/convert_weights.py dinov2 --src dinov2_vitb14_reg4_pretrain.pth \
+        --out weights/dinov2_b14_reg.npz
+
+Without --lin, the heads come from the installed lpips package (`pip install --no-deps lpips`). Nothing is
+downloaded: see docs/perceptual.md for where the official files come from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+# Run as `python scripts/convert_weights.py` from a checkout: make the package importable without installing.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from reve_jax.perceptual.weights import convert_dinov2, convert_lpips  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """Parses argv, converts, prints and returns the output path."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="kind", required=True)
+    lp = sub.add_parser("lpips", help="torchvision VGG16 state dict + lpips linear heads")
+    lp.add_argument("--vgg", required=True, help="torchvision vgg16 state dict (features.N.weight/bias)")
+    lp.add_argument("--lin", default=None, help="lpips heads file (default: the installed lpips package's)")
+    lp.add_argument("--out", required=True)
+    dn = sub.add_parser("dinov2", help="DINOv2 backbone, torch-hub or transformers layout")
+    dn.add_argument("--src", required=True, help=".pth (hub), .safetensors, or a save_pretrained directory")
+    dn.add_argument("--out", required=True)
+    dn.add_argument("--num-heads", type=int, default=None, help="default: config.json, else width // 64")
+    args = parser.parse_args(argv)
+    if args.kind == "lpips":
+        out = convert_lpips(args.vgg, args.lin, args.out)
+    else:
+        out = convert_dinov2(args.src, args.out, num_heads=args.num_heads)
+    print(f"wrote {out}")
+    return out
+
+
+if __name__ == "__main__":
+    main()
