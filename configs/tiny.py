@@ -1,6 +1,6 @@
 """The CPU default: a small DiT on 32 px synthetic captioned shapes, trains in minutes on 2 cores.
 
-    python scripts/train.py --config configs/tiny.py --workdir runs/tiny
+python scripts/train.py --config configs/tiny.py --workdir runs/tiny
 """
 
 from configs import base
