@@ -56,6 +56,7 @@ def get_config() -> ml_collections.ConfigDict:
     m.ddt.enc_width = 256
     m.ddt.enc_heads = 4
     m.ddt.enc_patch = 8  # coarse patch size of the encoder tower (must be a multiple of model.patch)
+    m.ddt.enc_downsample = 4  # the encoder predicts x0 at image_size / enc_downsample (Linum: 1/8 at 512 px)
     m.ddt.enc_loss_weight = 1.0
     m.repa_block = -1  # block whose tokens the model returns for REPA (-1: none)
 
@@ -106,7 +107,8 @@ def get_config() -> ml_collections.ConfigDict:
     o.muon_ns_steps = 5
     o.muon_scale = "moonlight"  # moonlight (0.2*sqrt(max(m,n)), AdamW lr carries over) | keller (sqrt(max(1,m/n)))
     o.muon_weight_decay = 0.0
-    o.muon_patterns = (r"blocks/\d+/(attn/(q|k|v|out)|mlp/(gate|up|down))/kernel",)  # param paths given to Muon
+    # Param paths (full match) given to Muon: attention and MLP kernels of the DiT blocks (and of both DDT towers).
+    o.muon_patterns = (r"((encoder|decoder)/)?blocks/\d+/(attn/(q|k|v|out)|mlp/(gate|up|down))/kernel",)
 
     c.ema = ml_collections.ConfigDict()
     c.ema.decays = (0.999,)  # one EMA of the parameters per decay; the first is used for sampling

@@ -148,6 +148,10 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
                 f"model.ddt.enc_patch={m.ddt.enc_patch} must be a multiple of model.patch={m.patch} "
                 f"and divide data.image_size={d.image_size}"
             )
+        if m.ddt.enc_patch % m.ddt.enc_downsample:
+            raise ConfigError(
+                f"model.ddt.enc_downsample={m.ddt.enc_downsample} must divide model.ddt.enc_patch={m.ddt.enc_patch}"
+            )
         if m.ddt.enc_width % m.ddt.enc_heads or (m.ddt.enc_width // m.ddt.enc_heads) % 4:
             raise ConfigError(f"model.ddt.enc_heads={m.ddt.enc_heads} must split model.ddt.enc_width evenly by 4")
     tr = cfg.train

@@ -122,6 +122,13 @@ def sample(velocity: VelocityFn, noise: jax.Array, steps: int, sampler: str, shi
     return z
 
 
+def downsample(images: jax.Array, factor: int) -> jax.Array:
+    """Average-pool [B, H, W, C] by `factor`: linear, so the pooled z_t is the interpolation of the pooled x and
+    noise (the DDT encoder's low-resolution flow)."""
+    b, h, w, c = images.shape
+    return images.reshape(b, h // factor, factor, w // factor, factor, c).mean(axis=(2, 4))
+
+
 def ema_update(ema, params, decay: float):
     """One EMA step in fp32: ema <- decay * ema + (1 - decay) * params."""
     return jax.tree.map(lambda e, p: e + (1.0 - decay) * (p.astype(e.dtype) - e), ema, params)

@@ -6,7 +6,7 @@ block's attention and MLP, so they are counted too.
 
 from __future__ import annotations
 
-from reve_jax.model.layers import swiglu_hidden
+from reve_jax.model.layers import swiglu_hidden  # noqa: F401 (re-exported)
 from reve_jax.model.routing import keep_count, route_span
 
 
@@ -18,29 +18,41 @@ def block_flops(tokens: int, width: int, mlp_hidden: int) -> float:
     return proj + attn + mlp
 
 
-def forward_flops_per_image(cfg, routed: bool | None = None) -> float:
-    """Forward FLOPs per image of the DiT described by `cfg` (routing as configured unless `routed` is given)."""
+def tower_flops(cfg, width, depth, patch, bottleneck, out_patch, context, routed) -> float:
+    """Forward FLOPs per image of one DiT tower: `context` extra tokens (text, DDT plan) ride in every block."""
     m = cfg.model
-    n = (cfg.data.image_size // m.patch) ** 2
-    text = cfg.text.max_len
-    hidden = swiglu_hidden(m.width, m.mlp_ratio, m.mlp_multiple_of)
-    routed = m.route.enabled if routed is None else routed
-    start, end = route_span(m.depth, m.route.start, m.route.end) if routed else (0, 0)
+    n = (cfg.data.image_size // patch) ** 2
+    hidden = swiglu_hidden(width, m.mlp_ratio, m.mlp_multiple_of)
+    start, end = route_span(depth, m.route.start, m.route.end) if routed else (0, 0)
     kept = keep_count(n, m.route.keep_ratio)
     total = 0.0
-    for i in range(m.depth):
-        img = kept if routed and start <= i < end else n
-        total += block_flops(img + text, m.width, hidden)
-        total += 2 * m.width * 6 * m.width  # adaLN modulation, once per image
-    pdim = m.patch * m.patch * 3
-    embed = 2 * n * (pdim * m.bottleneck + m.bottleneck * m.width) if m.bottleneck else 2 * n * pdim * m.width
-    final = 2 * n * m.width * pdim
-    t = cfg.text
-    text_enc = 0.0
-    if t.encoder == "builtin":
-        text_enc = t.depth * block_flops(text, t.width, swiglu_hidden(t.width, 4.0, 16))
-    text_proj = 2 * text * (t.width if t.encoder == "builtin" else t.emb_dim) * m.width
-    return total + embed + final + text_enc + text_proj
+    for i in range(depth):
+        img = kept if start <= i < end else n
+        total += block_flops(img + context, width, hidden)
+        total += 2 * width * 6 * width  # adaLN modulation, once per image
+    pdim = patch * patch * 3
+    embed = 2 * n * (pdim * bottleneck + bottleneck * width) if bottleneck else 2 * n * pdim * width
+    final = 2 * n * width * out_patch * out_patch * 3
+    text_in = cfg.text.width if cfg.text.encoder == "builtin" else cfg.text.emb_dim
+    text_proj = 2 * cfg.text.max_len * text_in * width
+    return total + embed + final + text_proj
+
+
+def forward_flops_per_image(cfg, routed: bool | None = None) -> float:
+    """Forward FLOPs per image of the model described by `cfg` (routing as configured unless `routed` is given)."""
+    m, t = cfg.model, cfg.text
+    routed = m.route.enabled if routed is None else routed
+    text = t.max_len
+    text_enc = t.depth * block_flops(text, t.width, swiglu_hidden(t.width, 4.0, 16)) if t.encoder == "builtin" else 0
+    if m.arch != "ddt":
+        return text_enc + tower_flops(cfg, m.width, m.depth, m.patch, m.bottleneck, m.patch, text, routed)
+    d = m.ddt
+    plan = (cfg.data.image_size // d.enc_patch) ** 2
+    enc = tower_flops(
+        cfg, d.enc_width, d.enc_depth, d.enc_patch, m.bottleneck, d.enc_patch // d.enc_downsample, text, False
+    )
+    dec = tower_flops(cfg, m.width, m.depth, m.patch, m.bottleneck, m.patch, text + plan, routed)
+    return text_enc + enc + dec + 2 * plan * d.enc_width * m.width
 
 
 def train_flops_per_image(cfg) -> float:

@@ -17,17 +17,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from reve_jax import diffusion, optim, sharding
 from reve_jax.data import tokenizer
-from reve_jax.model.dit import DiT
+from reve_jax.model.dit import DDT, DiT
 
 
 def vocab_size(cfg) -> int:
     return tokenizer.VOCAB_SIZE
 
 
-def build_model(cfg, seed: int = 0) -> DiT:
-    """The NNX model with concrete weights (use inside jit, or in tests)."""
+def build_model(cfg, seed: int = 0) -> DiT | DDT:
+    """The NNX model (`model.arch`: dit or ddt) with concrete weights (use inside jit, or in tests)."""
+    cls = DDT if cfg.model.arch == "ddt" else DiT
     with nnx.use_eager_sharding(False):
-        return DiT(cfg, vocab_size(cfg), rngs=nnx.Rngs(seed))
+        return cls(cfg, vocab_size(cfg), rngs=nnx.Rngs(seed))
 
 
 @dataclasses.dataclass
@@ -121,10 +122,16 @@ def make_loss_fn(setup: Setup):
         noise = dcfg.noise_scale * jax.random.normal(k_noise, x.shape, x.dtype)
         z = diffusion.interpolate(x, noise, t)
         drop = jax.random.uniform(k_drop, (b,)) < dcfg.caption_drop
-        out, _ = model(z, t, text_inputs(batch), drop=drop, route_key=k_route if routed else None)
+        out, aux = model(z, t, text_inputs(batch), drop=drop, route_key=k_route if routed else None)
         per_sample, _ = diffusion.loss_terms(out, x, noise, z, t, dcfg)
-        loss = per_sample.mean()
-        return loss, {"loss": loss, "loss_fm": loss}
+        terms = {"loss_fm": per_sample.mean()}
+        if "enc_out" in aux:  # JIT-DDT: the encoder's own v-loss on the downsampled image
+            d = cfg.model.ddt.enc_downsample
+            pool = lambda a: diffusion.downsample(a, d)  # noqa: E731
+            enc, _ = diffusion.loss_terms(aux["enc_out"], pool(x), pool(noise), pool(z), t, dcfg)
+            terms["loss_enc"] = cfg.model.ddt.enc_loss_weight * enc.mean()
+        loss = sum(terms.values())
+        return loss, dict(terms, loss=loss)
 
     return loss_fn
 

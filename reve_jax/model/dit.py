@@ -67,43 +67,52 @@ class FinalLayer(nnx.Module):
 class DiT(nnx.Module):
     """Maps (noisy image z [B,H,W,3], time t [B], caption) to the network output [B,H,W,3] in float32.
 
-    `cfg` is the full run config (model, text and data sections are read). `vocab_size` sizes the built-in
-    tokenizer's embedding (ignored for precomputed text embeddings).
+    `cfg` is the full run config (model, text and data sections are read); `tower` overrides the model section's
+    width/depth/heads/patch for the JIT-DDT encoder tower. `vocab_size` sizes the built-in tokenizer's embedding
+    (ignored for precomputed text embeddings). `out_patch` is the output pixels per token side (the encoder tower
+    predicts a downsampled image); `with_text_encoder=False` makes a tower that takes caption features from another.
     """
 
-    def __init__(self, cfg, vocab_size: int, *, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        cfg,
+        vocab_size: int,
+        *,
+        rngs: nnx.Rngs,
+        tower: dict | None = None,
+        out_patch: int | None = None,
+        with_text_encoder: bool = True,
+        routing_allowed: bool = True,
+    ):
         m = cfg.model
+        shape = dict(width=m.width, depth=m.depth, heads=m.heads, patch=m.patch, bottleneck=m.bottleneck)
+        shape.update(tower or {})
+        width, depth, heads = shape["width"], shape["depth"], shape["heads"]
         dtype, param_dtype = _dtype(m.dtype), _dtype(m.param_dtype)
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.patch = m.patch
-        self.image_size = cfg.data.image_size
-        self.head_dim = m.width // m.heads
+        self.patch = shape["patch"]
+        self.out_patch = out_patch or self.patch
+        self.head_dim = width // heads
         self.rope_theta = m.rope_theta
         self.remat = m.remat
-        self.repa_block = m.repa_block
-        self.route = m.route.enabled
+        self.repa_block = m.repa_block if routing_allowed else -1
+        self.route = m.route.enabled and routing_allowed
         self.route_keep_ratio = m.route.keep_ratio
         self.route_start, self.route_end = (
-            routing.route_span(m.depth, m.route.start, m.route.end) if self.route else (0, 0)
+            routing.route_span(depth, m.route.start, m.route.end) if self.route else (0, 0)
         )
 
-        self.patch_embed = PatchEmbed(m.patch, m.width, m.bottleneck, **kw)
-        self.time_embed = TimeEmbed(m.width, **kw)
-        self.text = TextConditioner(cfg, vocab_size, m.width, **kw)
-        hidden = swiglu_hidden(m.width, m.mlp_ratio, m.mlp_multiple_of)
+        self.patch_embed = PatchEmbed(self.patch, width, shape["bottleneck"], **kw)
+        self.time_embed = TimeEmbed(width, **kw)
+        self.text = TextConditioner(cfg, vocab_size, width, with_encoder=with_text_encoder, **kw)
+        hidden = swiglu_hidden(width, m.mlp_ratio, m.mlp_multiple_of)
         self.blocks = nnx.List(
             [
-                DiTBlock(m.width, m.heads, hidden, qk_norm=m.qk_norm, eps=m.norm_eps, impl=m.attention, **kw)
-                for _ in range(m.depth)
+                DiTBlock(width, heads, hidden, qk_norm=m.qk_norm, eps=m.norm_eps, impl=m.attention, **kw)
+                for _ in range(depth)
             ]
         )
-        self.final = FinalLayer(m.width, m.patch * m.patch * 3, eps=m.norm_eps, **kw)
-
-    def condition(self, t: jax.Array, text: dict, drop: jax.Array | None):
-        """Time + caption -> (conditioning vector c [B, W], text tokens [B, L, W], text lengths [B])."""
-        txt, lengths, pooled = self.text(text, drop)
-        c = self.time_embed(t) + pooled
-        return c, txt, lengths
+        self.final = FinalLayer(width, self.out_patch * self.out_patch * 3, eps=m.norm_eps, **kw)
 
     def __call__(
         self,
@@ -117,15 +126,30 @@ class DiT(nnx.Module):
         """Returns (output [B,H,W,3] float32, aux). `route_key` turns TREAD on (training, or routed guidance);
         aux holds `repa` (image tokens after block `repa_block`, the kept ones when routed) and `repa_idx`
         (their token indices [B, n])."""
+        out, _, aux = self.forward(z, t, text, drop=drop, route_key=route_key)
+        return out, aux
+
+    def forward(self, z, t, text, *, drop=None, route_key=None, feats=None, extra=None):
+        """The tower: returns (output image, final image tokens [B, N, W], aux). `feats` are caption features
+        from another tower's encoder; `extra` = (tokens [B, M, W], positions [B, M, 2] in this tower's patch
+        units) joins the sequence after the image tokens and before the text (the DDT plan tokens)."""
         b, h, w, _ = z.shape
         x = self.patch_embed(z)
         n = x.shape[1]
-        c, txt, lengths = self.condition(t, text, drop)
+        txt, lengths, pooled = self.text(text, drop, feats)
+        c = self.time_embed(t) + pooled
+        if extra is not None:
+            # Plan tokens ride with the text: never routed, always attended, with their own 2D positions.
+            txt = jnp.concatenate([extra[0].astype(txt.dtype), txt], axis=1)
+            lengths = lengths + extra[0].shape[1]
         pos = jnp.broadcast_to(grid_positions(h, w, self.patch)[None], (b, n, 2))
-        txt_angles = jnp.zeros((b, txt.shape[1], self.head_dim // 2), jnp.float32)
+        ctx_angles = jnp.zeros((b, txt.shape[1], self.head_dim // 2), jnp.float32)
+        if extra is not None:
+            plan_angles = rope_angles(extra[1], self.head_dim, self.rope_theta)
+            ctx_angles = ctx_angles.at[:, : extra[1].shape[1]].set(plan_angles)
 
         def angles_for(p):
-            return jnp.concatenate([rope_angles(p, self.head_dim, self.rope_theta), txt_angles], axis=1)
+            return jnp.concatenate([rope_angles(p, self.head_dim, self.rope_theta), ctx_angles], axis=1)
 
         routed = self.route and route_key is not None
         idx = jnp.broadcast_to(jnp.arange(n)[None], (b, n))
@@ -151,4 +175,45 @@ class DiT(nnx.Module):
         if routed and self.route_end == len(self.blocks):
             x = routing.scatter_tokens(full_img, x, idx)
         out = self.final(x, c)
-        return unpatchify(out.astype(jnp.float32), self.patch, h, w), aux
+        scale = self.out_patch / self.patch
+        image = unpatchify(out.astype(jnp.float32), self.out_patch, int(h * scale), int(w * scale))
+        return image, x, aux
+
+
+class DDT(nnx.Module):
+    """JIT-DDT: an encoder tower on coarse patches predicts x0 at low resolution (its own loss) and its final
+    tokens enter the decoder's sequence as plan tokens; the decoder predicts x0 at full resolution.
+
+    Output as DiT's, plus `aux["enc_out"]`: the encoder's prediction [B, H/d, W/d, 3], d = model.ddt.enc_downsample.
+    """
+
+    def __init__(self, cfg, vocab_size: int, *, rngs: nnx.Rngs):
+        m, d = cfg.model, cfg.model.ddt
+        dtype, param_dtype = _dtype(m.dtype), _dtype(m.param_dtype)
+        self.enc_patch, self.dec_patch = d.enc_patch, m.patch
+        self.decoder = DiT(cfg, vocab_size, rngs=rngs)
+        self.encoder = DiT(
+            cfg,
+            vocab_size,
+            rngs=rngs,
+            with_text_encoder=False,
+            routing_allowed=False,
+            tower=dict(width=d.enc_width, depth=d.enc_depth, heads=d.enc_heads, patch=d.enc_patch),
+            out_patch=d.enc_patch // d.enc_downsample,
+        )
+        self.plan_proj = dense(
+            d.enc_width, m.width, ("embed", "embed"), rngs=rngs, dtype=dtype, param_dtype=param_dtype
+        )
+
+    def __call__(self, z, t, text, *, drop=None, route_key=None):
+        b, h, w, _ = z.shape
+        feats = self.decoder.text.features(text)
+        enc_out, plan, _ = self.encoder.forward(z, t, text, drop=drop, feats=feats)
+        # Plan token (i, j) covers decoder patches [i*r, (i+1)*r): place it at their centre.
+        r = self.enc_patch / self.dec_patch
+        grid = grid_positions(h, w, self.enc_patch).astype(jnp.float32) * r + (r - 1) / 2
+        plan_pos = jnp.broadcast_to(grid[None], (b,) + grid.shape)
+        out, _, aux = self.decoder.forward(
+            z, t, text, drop=drop, route_key=route_key, feats=feats, extra=(self.plan_proj(plan), plan_pos)
+        )
+        return out, dict(aux, enc_out=enc_out)

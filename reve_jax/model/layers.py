@@ -2,15 +2,24 @@
 
 Every parameter carries logical axis names (see docs/architecture.md); the config maps them to mesh axes.
 Compute runs in `dtype` (bf16 by default) with `param_dtype` parameters; norms and softmax statistics run in fp32.
+
+Performance (docs/performance.md): q, k, v (and SwiGLU's gate, up) stay separate parameters, because Muon
+orthogonalises each matrix alone, but run as one GEMM: their kernels are stacked at run time along a new axis, so
+each output column is the same dot product as before and a tensor-parallel split of the heads/mlp axis needs no
+communication. Activations worth saving in the backward pass are tagged with `checkpoint_name` for remat policies.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+log = logging.getLogger(__name__)
 
 Initializer = nnx.initializers.Initializer
 
@@ -86,15 +95,62 @@ def apply_rope(x: jax.Array, angles: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(dtype)
 
 
-def attention_impl(name: str) -> str | None:
-    """The jax.nn.dot_product_attention implementation: cuDNN on GPU under 'auto', XLA elsewhere."""
-    if name == "auto":
-        return "cudnn" if jax.default_backend() == "gpu" else "xla"
-    return name
+# cuDNN's fused (flash) attention takes half-precision inputs and head dims that are multiples of 8, up to 256 on
+# Hopper (128 before); outside that JAX raises, so 'auto' does not ask for it.
+_CUDNN_DTYPES = (jnp.bfloat16, jnp.float16)
+_CUDNN_MAX_HEAD_DIM = 256
+
+
+def attention_impl(name: str, dtype=None, head_dim: int | None = None) -> str:
+    """The jax.nn.dot_product_attention implementation for config value `name` (auto | xla | cudnn).
+
+    'auto' gives 'cudnn' on GPU when the compute `dtype` and `head_dim` (if given) fit cuDNN's flash kernel, and
+    'xla' otherwise (CPU, float32 compute, odd head dims). An explicit name is returned as it is."""
+    if name != "auto":
+        return name
+    if jax.default_backend() != "gpu":
+        return "xla"
+    if dtype is not None and jnp.dtype(dtype) not in [jnp.dtype(d) for d in _CUDNN_DTYPES]:
+        return "xla"
+    if head_dim is not None and (head_dim % 8 or head_dim > _CUDNN_MAX_HEAD_DIM):
+        return "xla"
+    return "cudnn"
+
+
+def dot_product_attention(q, k, v, kv_lengths, impl: str) -> jax.Array:
+    """jax.nn.dot_product_attention over [B, S, H, D] with per-sample key lengths [B] (or None), using
+    `attention_impl(impl, ...)`. Under 'auto', a cuDNN call that JAX rejects while tracing (an unsupported shape,
+    dtype or cuDNN version) falls back to the XLA implementation with a warning instead of failing."""
+    chosen = attention_impl(impl, q.dtype, q.shape[-1])
+    try:
+        return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths, implementation=chosen)
+    except (NotImplementedError, RuntimeError, ValueError, TypeError) as e:
+        if impl != "auto" or chosen != "cudnn":
+            raise
+        log.warning("cuDNN attention unavailable for q %s %s (%s); using the XLA implementation", q.shape, q.dtype, e)
+        return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=kv_lengths, implementation="xla")
+
+
+def stacked_projection(x: jax.Array, layers: tuple[nnx.Linear, ...]) -> jax.Array:
+    """One GEMM for several Linear layers that read the same input: x [..., din] -> [..., len(layers), dout].
+
+    Output j equals `layers[j](x)` (same dtype promotion: inputs, kernels and biases cast to the layers' compute
+    dtype). The kernels are stacked along a new axis (din, n, dout) rather than concatenated, so a sharded dout
+    axis stays sharded without moving data."""
+    dtype = layers[0].dtype
+    kernel = jnp.stack([layer.kernel[...] for layer in layers], axis=1)
+    if dtype is not None:
+        x, kernel = x.astype(dtype), kernel.astype(dtype)
+    y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+    if layers[0].bias is not None:
+        bias = jnp.stack([layer.bias[...] for layer in layers], axis=0)
+        y = y + bias.astype(y.dtype)
+    return y
 
 
 class Attention(nnx.Module):
-    """Multi-head self-attention with qk-norm and RoPE. q, k and v are separate matrices (Muon treats each alone)."""
+    """Multi-head self-attention with qk-norm and RoPE. q, k and v are separate matrices (Muon treats each alone)
+    computed by one stacked GEMM."""
 
     def __init__(self, width: int, heads: int, *, qk_norm: bool, eps: float, impl: str, rngs, dtype, param_dtype):
         self.heads = heads
@@ -111,15 +167,14 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, angles: jax.Array | None, kv_lengths: jax.Array | None) -> jax.Array:
         """x [B, S, W]; angles [B, S, D/2] or None; kv_lengths [B] valid keys (a prefix of the sequence)."""
         b, s, _ = x.shape
-        shape = (b, s, self.heads, self.head_dim)
-        q, k, v = self.q(x).reshape(shape), self.k(x).reshape(shape), self.v(x).reshape(shape)
+        qkv = stacked_projection(x, (self.q, self.k, self.v))  # [B, S, 3, W]
+        qkv = checkpoint_name(qkv.reshape(b, s, 3, self.heads, self.head_dim), "attn_qkv")
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if angles is not None:
             q, k = apply_rope(q, angles), apply_rope(k, angles)
-        o = jax.nn.dot_product_attention(
-            q, k, v, key_value_seq_lengths=kv_lengths, implementation=attention_impl(self.impl)
-        )
+        o = checkpoint_name(dot_product_attention(q, k, v, kv_lengths, self.impl), "attn_out")
         return self.out(o.reshape(b, s, -1))
 
 
@@ -137,7 +192,8 @@ class SwiGLU(nnx.Module):
         self.down = dense(hidden, width, ("mlp", "embed"), **kw)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+        gate_up = checkpoint_name(stacked_projection(x, (self.gate, self.up)), "mlp_gate_up")  # [..., 2, hidden]
+        return self.down(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :])
 
 
 def timestep_features(t: jax.Array, dim: int, max_period: float = 10_000.0) -> jax.Array:

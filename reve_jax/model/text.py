@@ -64,26 +64,16 @@ class TextConditioner(nnx.Module):
     attention instead of a dense mask (cuDNN's fast path takes lengths).
     """
 
-    def __init__(self, cfg, vocab_size: int, width: int, *, rngs, dtype, param_dtype):
+    def __init__(self, cfg, vocab_size: int, width: int, *, rngs, dtype, param_dtype, with_encoder: bool = True):
         t = cfg.text
-        self.source = t.encoder
-        if t.encoder == "builtin":
-            self.encoder = BuiltinTextEncoder(
-                vocab_size,
-                t.max_len,
-                t.width,
-                t.depth,
-                t.heads,
-                eps=cfg.model.norm_eps,
-                rngs=rngs,
-                dtype=dtype,
-                param_dtype=param_dtype,
-            )
-            in_dim = t.width
-        else:
-            self.encoder = None
-            in_dim = t.emb_dim
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        builtin = t.encoder == "builtin"
+        self.encoder = (
+            BuiltinTextEncoder(vocab_size, t.max_len, t.width, t.depth, t.heads, eps=cfg.model.norm_eps, **kw)
+            if builtin and with_encoder
+            else None
+        )
+        in_dim = t.width if builtin else t.emb_dim
         self.in_norm = RMSNorm(in_dim, eps=cfg.model.norm_eps, param_dtype=param_dtype, axis_name=None)
         self.proj = dense(in_dim, width, ("text_embed", "embed"), **kw)
         self.pool_proj = dense(in_dim, width, ("text_embed", "embed"), **kw)
@@ -91,12 +81,18 @@ class TextConditioner(nnx.Module):
         self.null_token = nnx.Param(init(rngs.params(), (width,), param_dtype))
         self.null_pooled = nnx.Param(init(rngs.params(), (width,), param_dtype))
 
-    def __call__(self, text: dict, drop: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
-        mask = text["text_mask"]
+    def features(self, text: dict) -> jax.Array:
+        """Caption features [B, L, D] before projection: the built-in encoder's output or the precomputed ones."""
         if self.encoder is not None:
-            feats = self.encoder(text["tokens"], mask)
-        else:
-            feats = text["text_emb"]
+            return self.encoder(text["tokens"], text["text_mask"])
+        return text["text_emb"]
+
+    def __call__(
+        self, text: dict, drop: jax.Array | None, feats: jax.Array | None = None
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`feats` (from another conditioner's `features`) skips encoding: the DDT towers share one encoder."""
+        mask = text["text_mask"]
+        feats = self.features(text) if feats is None else feats
         feats = self.in_norm(feats.astype(self.proj.dtype))
         m = mask[..., None].astype(feats.dtype)
         pooled = self.pool_proj((feats * m).sum(1) / jnp.maximum(m.sum(1), 1.0))

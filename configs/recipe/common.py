@@ -1,0 +1,72 @@
+"""The recipe's techniques as functions on a config, so the baseline, the full recipe and each ablation
+(baseline + one technique) are built from the same pieces. Sizes are the experiment files in configs/."""
+
+import importlib
+
+SIZES = ("tiny", "jit_b16", "prx_1b")
+TECHNIQUES = ("jit", "bottleneck", "tread", "muon", "ddt")
+
+
+def sized(size: str):
+    """The base experiment config for a size name."""
+    if size not in SIZES:
+        raise ValueError(f"unknown size {size!r}; choose one of {SIZES}")
+    return importlib.import_module(f"configs.{size}").get_config()
+
+
+def baseline(c):
+    """A DiT as in Peebles & Xie: plain linear patch embedding, v-prediction, logit-normal(0, 1) times, AdamW,
+    every token through every block."""
+    c.name = f"{c.name}_baseline"
+    c.model.arch = "dit"
+    c.model.bottleneck = 0
+    c.model.route.enabled = False
+    c.diffusion.prediction = "v"
+    c.diffusion.loss_space = "v"
+    c.diffusion.t_mean = 0.0
+    c.diffusion.t_std = 1.0
+    c.optim.name = "adamw"
+    return c
+
+
+def apply(c, technique: str, bottleneck_rank: int):
+    """Switch one technique on."""
+    if technique == "jit":  # x-prediction, loss in v-space, times biased to noise (JiT)
+        c.diffusion.prediction = "x"
+        c.diffusion.loss_space = "v"
+        c.diffusion.t_mean = -0.8 if c.data.image_size >= 256 else -0.4
+        c.diffusion.t_std = 0.8
+    elif technique == "bottleneck":
+        c.model.bottleneck = bottleneck_rank
+    elif technique == "tread":  # blocks 1 .. depth-1 routed at keep 0.5 ("2nd to penultimate")
+        c.model.route.enabled = True
+        c.model.route.keep_ratio = 0.5
+        c.model.route.start = 1
+        c.model.route.end = -1
+    elif technique == "muon":
+        c.optim.name = "muon"
+        c.optim.muon_scale = "moonlight"
+    elif technique == "ddt":
+        c.model.arch = "ddt"
+        c.model.ddt.enc_patch = 2 * c.model.patch
+        c.model.ddt.enc_downsample = c.model.ddt.enc_patch // 2 if c.data.image_size <= 64 else 8
+        c.model.ddt.enc_width = c.model.width
+        c.model.ddt.enc_heads = c.model.heads
+        c.model.ddt.enc_depth = max(1, c.model.depth // 4)
+        c.diffusion.t_eps = 0.1
+    else:
+        raise ValueError(f"unknown technique {technique!r}; choose from {TECHNIQUES}")
+    c.name = f"{c.name}+{technique}"
+    return c
+
+
+def build(arg: str | None, default_techniques: tuple[str, ...]):
+    """Parse `size[,technique...]` and return the baseline of that size with the techniques on."""
+    parts = [p for p in (arg or "tiny").split(",") if p]
+    size, techniques = parts[0], tuple(parts[1:]) or default_techniques
+    base = sized(size)
+    rank = base.model.bottleneck or 32
+    c = baseline(base)
+    for t in techniques:
+        c = apply(c, t, rank)
+    return c
