@@ -77,6 +77,7 @@ def get_config() -> ml_collections.ConfigDict:
     d.path = ""  # shards directory (data.name=shards)
     d.worker_threads = 2  # grain read threads per process
     d.prefetch = 2  # batches prefetched ahead of the step
+    d.stages = ()  # resolution stages ((start_step, shards dir | image size), ...), first at 0; () = one stage
 
     c.diffusion = f = ml_collections.ConfigDict()
     f.prediction = "x"  # what the network outputs: x | v | eps
@@ -89,6 +90,21 @@ def get_config() -> ml_collections.ConfigDict:
     f.t_eps = 0.05  # clamp of (1-t) when dividing: v = (x - z) / max(1-t, t_eps)
     f.noise_scale = 1.0  # eps scale (JiT: 1 at 256 px, 2 at 512 px)
     f.caption_drop = 0.1  # probability of training a sample unconditionally (for CFG)
+
+    # Losses on the predicted image x_hat besides the flow-matching loss (RECIPE.md section 2). The frozen networks
+    # load from converted files (scripts/convert_weights.py); nothing is downloaded.
+    c.loss = lo = ml_collections.ConfigDict()
+    lo.lpips_weight = 0.0  # PRX and Linum: 0.1
+    lo.lpips_path = ""  # converted VGG16-LPIPS .npz
+    lo.lpips_downscale = 0.5  # both images resized by this before LPIPS
+    lo.dino_weight = 0.0  # PRX and Linum: 0.01 (1 - cos between DINOv2 patch tokens of x_hat and x)
+    lo.dino_path = ""  # converted DINOv2 .npz (ViT-B/14 with registers in the recipe)
+    lo.dino_size = 224  # images resized to this for DINOv2
+    lo.repa_weight = 0.0  # PRX: 0.5; aligns block model.repa_block's tokens to DINOv2 features of x
+    lo.repa_dim = 768  # DINOv2 width (the REPA projector's output); checked against the file
+    lo.repa_hidden = 1024  # REPA projector MLP hidden width
+    lo.perceptual_t_min = 0.0  # LPIPS/DINO only where t >= this (t=1 clean); Linum's "t <= 0.7 noise" is 0.3
+    lo.perceptual_dtype = "bfloat16"  # compute dtype of the frozen networks
 
     c.optim = o = ml_collections.ConfigDict()
     o.name = "adamw"  # adamw | muon (Muon for 2D hidden block weights, AdamW for the rest)

@@ -29,6 +29,7 @@ CHOICES = {
     "diffusion.loss_space": ("x", "v", "eps"),
     "diffusion.t_sampler": ("logit_normal", "uniform"),
     "optim.name": ("adamw", "muon"),
+    "loss.perceptual_dtype": ("float32", "bfloat16"),
     "optim.schedule": ("constant", "cosine", "linear"),
     "optim.muon_scale": ("moonlight", "keller"),
     "sample.sampler": ("euler", "heun"),
@@ -154,6 +155,18 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             )
         if m.ddt.enc_width % m.ddt.enc_heads or (m.ddt.enc_width // m.ddt.enc_heads) % 4:
             raise ConfigError(f"model.ddt.enc_heads={m.ddt.enc_heads} must split model.ddt.enc_width evenly by 4")
+    lo = cfg.loss
+    for term, path in (("lpips", lo.lpips_path), ("dino", lo.dino_path)):
+        if lo[f"{term}_weight"] > 0 and not path:
+            raise ConfigError(
+                f"loss.{term}_weight={lo[f'{term}_weight']} needs loss.{term}_path: convert the weights with "
+                f"scripts/convert_weights.py (see docs/perceptual.md)"
+            )
+    if lo.repa_weight > 0:
+        if not lo.dino_path:
+            raise ConfigError("loss.repa_weight > 0 needs loss.dino_path (REPA aligns to DINOv2 features)")
+        if m.repa_block < 0:
+            raise ConfigError("loss.repa_weight > 0 needs model.repa_block >= 0 (the block whose tokens are aligned)")
     tr = cfg.train
     if tr.global_batch <= 0 or tr.grad_accum <= 0 or tr.global_batch % tr.grad_accum:
         raise ConfigError(

@@ -15,7 +15,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from reve_jax import diffusion, optim, sharding
+from reve_jax import diffusion, losses, optim, sharding
 from reve_jax.data import tokenizer
 from reve_jax.model.dit import DDT, DiT
 
@@ -43,6 +43,7 @@ class Setup:
     abstract_state: dict  # ShapeDtypeStructs with shardings: the restore target
     state_shardings: dict
     param_labels: object
+    frozen: losses.FrozenNets  # frozen feature networks for perceptual losses (empty when unused)
 
 
 def ema_keys(cfg) -> list[str]:
@@ -77,7 +78,8 @@ def make_setup(cfg, mesh) -> Setup:
     }
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_shardings)
     labels = optim.param_groups(cfg.optim, abstract_params)
-    return Setup(cfg, mesh, graphdef, opt, schedule, abstract, state_shardings, labels)
+    frozen = losses.load_frozen(cfg, mesh)
+    return Setup(cfg, mesh, graphdef, opt, schedule, abstract, state_shardings, labels, frozen)
 
 
 def init_state(setup: Setup) -> dict:
@@ -108,12 +110,15 @@ def text_inputs(batch: dict) -> dict:
 
 
 def make_loss_fn(setup: Setup):
-    """loss(params, batch, key) -> (scalar loss, metrics): the training objective for one (micro) batch."""
+    """loss(params, batch, key, frozen) -> (scalar loss, metrics): the training objective for one (micro) batch;
+    `frozen` holds the perceptual networks' parameters."""
     cfg, graphdef = setup.cfg, setup.graphdef
     dcfg = cfg.diffusion
     routed = cfg.model.route.enabled
 
-    def loss_fn(params, batch, key):
+    grid = (cfg.data.image_size // cfg.model.patch,) * 2
+
+    def loss_fn(params, batch, key, frozen):
         model = nnx.merge(graphdef, params)
         x = batch["image"]
         b = x.shape[0]
@@ -123,8 +128,9 @@ def make_loss_fn(setup: Setup):
         z = diffusion.interpolate(x, noise, t)
         drop = jax.random.uniform(k_drop, (b,)) < dcfg.caption_drop
         out, aux = model(z, t, text_inputs(batch), drop=drop, route_key=k_route if routed else None)
-        per_sample, _ = diffusion.loss_terms(out, x, noise, z, t, dcfg)
+        per_sample, x_hat = diffusion.loss_terms(out, x, noise, z, t, dcfg)
         terms = {"loss_fm": per_sample.mean()}
+        terms.update(losses.extra_terms(cfg, setup.frozen.graphdefs, frozen, x_hat, x, t, aux, grid))
         if "enc_out" in aux:  # JIT-DDT: the encoder's own v-loss on the downsampled image
             d = cfg.model.ddt.enc_downsample
             pool = lambda a: diffusion.downsample(a, d)  # noqa: E731
@@ -137,7 +143,7 @@ def make_loss_fn(setup: Setup):
 
 
 def make_train_step(setup: Setup):
-    """The pure step (state, batch) -> (state, metrics). Gradient accumulation splits the global batch into
+    """The pure step (state, batch, frozen) -> (state, metrics); `frozen` = setup.frozen.states. Gradient accumulation splits the global batch into
     `train.grad_accum` micro-batches (same global batch, less memory)."""
     cfg = setup.cfg
     accum = cfg.train.grad_accum
@@ -145,22 +151,22 @@ def make_train_step(setup: Setup):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     decays = tuple(cfg.ema.decays)
 
-    def train_step(state, batch):
+    def train_step(state, batch, frozen):
         params = state["params"]
         key = jax.random.fold_in(jax.random.wrap_key_data(state["rng"]), state["step"])
         if accum == 1:
-            (_, metrics), grads = grad_fn(params, batch, key)
+            (_, metrics), grads = grad_fn(params, batch, key, frozen)
         else:
             micro = jax.tree.map(lambda x: x.reshape((accum, x.shape[0] // accum) + x.shape[1:]), batch)
 
             def body(carry, inp):
                 i, mb = inp
-                (_, m), g = grad_fn(params, mb, jax.random.fold_in(key, i))
+                (_, m), g = grad_fn(params, mb, jax.random.fold_in(key, i), frozen)
                 return jax.tree.map(jnp.add, carry, (g, m)), None
 
             first = jax.tree.map(lambda x: x[0], micro)
             rest = jax.tree.map(lambda x: x[1:], micro)
-            (_, m0), g0 = grad_fn(params, first, jax.random.fold_in(key, 0))
+            (_, m0), g0 = grad_fn(params, first, jax.random.fold_in(key, 0), frozen)
             (grads, metrics), _ = jax.lax.scan(body, (g0, m0), (jnp.arange(1, accum), rest))
             grads = jax.tree.map(lambda g: g / accum, grads)
             metrics = jax.tree.map(lambda m: m / accum, metrics)
@@ -183,12 +189,14 @@ def make_train_step(setup: Setup):
 
 
 def jit_train_step(setup: Setup, batch_shardings: dict):
-    """The train step jitted with explicit in/out shardings and the state donated."""
+    """The train step jitted with explicit in/out shardings and the state donated; call it as
+    `step(state, batch, setup.frozen.states)`."""
     step = make_train_step(setup)
     replicated = NamedSharding(setup.mesh, PartitionSpec())
+    frozen_shardings = jax.tree.map(lambda a: a.sharding, setup.frozen.states)
     return jax.jit(
         step,
-        in_shardings=(setup.state_shardings, batch_shardings),
+        in_shardings=(setup.state_shardings, batch_shardings, frozen_shardings),
         out_shardings=(setup.state_shardings, replicated),
         donate_argnums=(0,),
     )

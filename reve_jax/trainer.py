@@ -130,7 +130,7 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
     beat(start_step, "compiling")
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
-        compiled = step_fn.lower(state, batch0).compile()
+        compiled = step_fn.lower(state, batch0, setup.frozen.states).compile()
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     if mem is not None and is_main:
@@ -181,7 +181,7 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
     try:
         while step < tr.steps:
             with jax.set_mesh(mesh):
-                state, m = compiled(state, batch)
+                state, m = compiled(state, batch, setup.frozen.states)
             step += 1
             steps_since += 1
             t_data = time.perf_counter()

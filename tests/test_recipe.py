@@ -42,7 +42,7 @@ def _train_steps(cfg, n=2):
         batch = sharding.global_batch_from_local(local, mesh, cfg.train.global_batch)
         step = step or train_state.jit_train_step(setup, jax.tree.map(lambda a: a.sharding, batch))
         with jax.set_mesh(mesh):
-            state, m = step(state, batch)
+            state, m = step(state, batch, setup.frozen.states)
         out.append(jax.device_get(m))
     return setup, state, out
 

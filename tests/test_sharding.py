@@ -54,8 +54,8 @@ def _one_step(cfg, devices, batch):
     gbatch = sharding.global_batch_from_local(batch, mesh, cfg.train.global_batch)
     step = train_state.jit_train_step(setup, jax.tree.map(lambda a: a.sharding, gbatch))
     with jax.set_mesh(mesh):
-        state, metrics = step(state, gbatch)
-        state, metrics = step(state, gbatch)
+        state, metrics = step(state, gbatch, setup.frozen.states)
+        state, metrics = step(state, gbatch, setup.frozen.states)
     return jax.device_get(state), jax.device_get(metrics)
 
 

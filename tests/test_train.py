@@ -82,7 +82,7 @@ def test_tiny_overfit_drives_the_loss_down():
     losses = []
     with jax.set_mesh(mesh):
         for _ in range(150):
-            state, m = step(state, batch)
+            state, m = step(state, batch, setup.frozen.states)
             losses.append(float(m["loss"]))
     assert np.mean(losses[-20:]) < 0.3 * np.mean(losses[:20]), (losses[:5], losses[-5:])
 

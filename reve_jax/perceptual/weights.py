@@ -411,3 +411,33 @@ def load_dinov2(path: str | Path, *, dtype: jnp.dtype = jnp.float32) -> DinoV2:
     except KeyError as e:
         raise ValueError(f"missing key 'meta/{e.args[0]}' in {path}. Convert with: {DINOV2_CMD}") from e
     return _fill(lambda: DinoV2(cfg, dtype=dtype, rngs=nnx.Rngs(0)), params, path, DINOV2_CMD)
+
+
+def _flat(tree: dict, prefix: str = "") -> dict[str, np.ndarray]:
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = np.asarray(v, np.float32)
+    return out
+
+
+def export_lpips(module: LPIPS, channels: tuple[int, ...], out_path: str | Path) -> Path:
+    """Writes an LPIPS module (e.g. a small random one for tests) in the converted format `load_lpips` reads."""
+    params = _flat(nnx.to_pure_dict(nnx.state(module)))
+    params["meta/kind"] = np.array("lpips")
+    params["meta/channels"] = np.array(channels, np.int64)
+    return save_params(params, out_path)
+
+
+def export_dinov2(module: DinoV2, cfg: DinoV2Config, out_path: str | Path) -> Path:
+    """Writes a DinoV2 module in the converted format `load_dinov2` reads."""
+    params = _flat(nnx.to_pure_dict(nnx.state(module)))
+    params["meta/kind"] = np.array("dinov2")
+    for field in ("width", "depth", "num_heads", "mlp_dim", "patch_size", "pos_grid", "num_register_tokens"):
+        params[f"meta/{field}"] = np.array(getattr(cfg, field), np.int64)
+    params["meta/layer_norm_eps"] = np.array(cfg.layer_norm_eps, np.float64)
+    params["meta/interpolate_antialias"] = np.array(cfg.interpolate_antialias)
+    params["meta/interpolate_offset"] = np.array(cfg.interpolate_offset, np.float64)
+    return save_params(params, out_path)

@@ -1,0 +1,80 @@
+"""The perceptual terms inside the one train step: LPIPS, DINOv2 and REPA on 8 CPU devices with small random
+feature networks that the test writes in the converted format."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from util import tiny_config
+
+from reve_jax import losses, sharding, trainer
+from reve_jax.config import ConfigError
+from reve_jax.perceptual import LPIPS, DinoV2, DinoV2Config
+from reve_jax.perceptual.weights import export_dinov2, export_lpips
+
+CHANNELS = (4, 8, 8, 8, 8)
+DINO = DinoV2Config(width=16, depth=1, num_heads=2, mlp_dim=32, patch_size=14, pos_grid=2)
+
+
+@pytest.fixture(scope="module")
+def weight_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("weights")
+    lpips = export_lpips(LPIPS(CHANNELS, rngs=nnx.Rngs(0)), CHANNELS, d / "lpips.npz")
+    dino = export_dinov2(DinoV2(DINO, rngs=nnx.Rngs(1)), DINO, d / "dino.npz")
+    return str(lpips), str(dino)
+
+
+def _cfg(weight_files, *extra):
+    lpips, dino = weight_files
+    return tiny_config(
+        f"loss.lpips_path='{lpips}'", "loss.lpips_weight=0.1", "loss.lpips_downscale=1.0",
+        f"loss.dino_path='{dino}'", "loss.dino_weight=0.01", "loss.dino_size=28",
+        "loss.repa_weight=0.5", "loss.repa_dim=16", "loss.repa_hidden=32", "model.repa_block=0",
+        "loss.perceptual_dtype='float32'", "train.log_every=1", *extra,
+    )  # fmt: skip
+
+
+def _metrics(workdir):
+    return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_trainer_runs_with_every_perceptual_term_on_8_devices(weight_files, tmp_path):
+    cfg = _cfg(weight_files, "train.steps=2", "model.route.enabled=True", "model.route.start=0",
+               "model.route.end=1")  # fmt: skip
+    assert jax.device_count() == 8
+    trainer.run(cfg, tmp_path)
+    for m in _metrics(tmp_path):
+        for term in ("loss_fm", "loss_lpips", "loss_dino", "loss_repa"):
+            assert np.isfinite(m[term]) and m[term] > 0, (term, m)
+        total = m["loss_fm"] + m["loss_lpips"] + m["loss_dino"] + m["loss_repa"]
+        np.testing.assert_allclose(m["loss"], total, rtol=1e-5)
+
+
+def test_perceptual_gate_on_t_switches_terms_off(weight_files):
+    cfg = _cfg(weight_files, "loss.perceptual_t_min=1.0")  # t < 1 always: no sample passes the gate
+    setup_mesh = sharding.make_mesh(cfg.mesh)
+    frozen = losses.load_frozen(cfg, setup_mesh)
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1, 1, (2, 16, 16, 3)).astype(np.float32)
+    x_hat = x + 0.3
+    t = np.array([0.2, 0.9], np.float32)
+    aux = {"repa": rng.standard_normal((2, 16, 16)).astype(np.float32), "repa_idx": np.tile(np.arange(16), (2, 1))}
+    gated = losses.extra_terms(cfg, frozen.graphdefs, frozen.states, x_hat, x, t, aux, (4, 4))
+    assert float(gated["loss_lpips"]) == 0.0 and float(gated["loss_dino"]) == 0.0
+    assert float(gated["loss_repa"]) > 0  # REPA is not gated
+    open_cfg = _cfg(weight_files, "loss.perceptual_t_min=0.5")
+    half = losses.extra_terms(open_cfg, frozen.graphdefs, frozen.states, x_hat, x, t, aux, (4, 4))
+    assert float(half["loss_lpips"]) > 0 and float(half["loss_dino"]) > 0
+
+
+def test_missing_weights_are_clear_errors(weight_files, tmp_path):
+    with pytest.raises(ConfigError, match="loss.lpips_weight=0.1 needs loss.lpips_path"):
+        tiny_config("loss.lpips_weight=0.1")
+    cfg = _cfg(weight_files, f"loss.lpips_path='{tmp_path / 'nope.npz'}'")
+    with pytest.raises(FileNotFoundError, match="convert_weights.py lpips"):
+        losses.load_frozen(cfg, sharding.make_mesh(cfg.mesh))
+    cfg = _cfg(weight_files, "loss.repa_dim=768")
+    with pytest.raises(ValueError, match="loss.repa_dim=16"):
+        losses.load_frozen(cfg, sharding.make_mesh(cfg.mesh))
