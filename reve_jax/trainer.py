@@ -156,6 +156,7 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
     reason = "finished"
 
     def save(step_now: int, wait: bool = False):
+        beat(step_now, "saving")
         ckpt.save(
             step_now,
             state,
@@ -170,6 +171,7 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
             ckpt.wait()
 
     def render(step_now: int):
+        beat(step_now, "sampling")
         params = state["ema"]["ema0"] if cfg.sample.use_ema else state["params"]
         with jax.set_mesh(mesh):
             imgs = sample_fn(params, sample_text, sample_noise, jax.random.key(cfg.sample.seed))
