@@ -136,3 +136,12 @@ def test_train_script_end_to_end_with_sigterm_and_resume(tmp_path):
     assert list((tmp_path / "samples").glob("*.png")) and (tmp_path / "loss.png").stat().st_size > 1000
     assert list((tmp_path / "tb").iterdir()) and (tmp_path / "config.json").exists()
     assert max(_losses(tmp_path)) == final_step
+    # scripts/sample.py renders a grid from the newest checkpoint for prompts on the command line.
+    out = tmp_path / "cli.png"
+    sampled = subprocess.run(
+        [sys.executable, "scripts/sample.py", "--workdir", str(tmp_path), "--out", str(out), "--steps", "2",
+         "--prompt", "a small red circle in the center, on a white background", "--prompt", "a large blue square"],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    assert out.exists() and out.stat().st_size > 1000
