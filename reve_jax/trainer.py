@@ -18,6 +18,7 @@ import numpy as np
 
 from reve_jax import checkpoint, config, flops, metrics, optim, sampling, sharding, train_state, viz
 from reve_jax.data import pipeline
+from reve_jax.elastic.worker import any_process
 
 log = logging.getLogger("reve_jax")
 
@@ -46,15 +47,6 @@ class _StopFlag:
     def restore(self):
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-
-
-def _any_process(flag: bool) -> bool:
-    """True if `flag` is set on any process (all processes must call this at the same step)."""
-    if jax.process_count() == 1:
-        return flag
-    from jax.experimental import multihost_utils
-
-    return bool(np.any(multihost_utils.process_allgather(np.array([flag]))))
 
 
 def _sample_prompts(cfg, dataset, n: int) -> tuple[list[str], dict]:
@@ -224,7 +216,7 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
                 save(step)
             local_stop = stop.requested or (worker is not None and worker.stop_requested())
             check_now = jax.process_count() == 1 or at_log or at_ckpt
-            if check_now and _any_process(local_stop) and step < tr.steps:
+            if check_now and any_process(local_stop) and step < tr.steps:
                 reason = "stopped"
                 save(step, wait=True)
                 break

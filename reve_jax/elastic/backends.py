@@ -1,0 +1,257 @@
+"""Where worker processes run: local processes (the test bed and one node), SSH to a list of hosts, SLURM
+(srun inside an allocation). A backend starts one process on a host, kills it with everything it started,
+and runs the health probe there; the supervisor does the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import uuid
+
+PROBE_MODULE = "reve_jax.elastic.probe"
+# The checkout this package runs from: local workers import reve_jax from here whatever their cwd.
+_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def free_port() -> int:
+    """Returns a TCP port that was free on this machine a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_quietly(argv: list[str], timeout: float = 15.0) -> None:
+    """Runs a best-effort helper command (remote kill) in a thread so the supervisor never waits on it."""
+
+    def go():
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout)
+
+    threading.Thread(target=go, daemon=True).start()
+
+
+class Proc:
+    """A started process: `poll()` gives its exit code or None; `kill()` SIGKILLs its process group (and, for
+    remote backends, the remote processes through `remote_kill`)."""
+
+    def __init__(self, popen: subprocess.Popen, log, remote_kill: list[str] | None = None):
+        self.popen, self._log, self._remote_kill = popen, log, remote_kill
+        self.pid = popen.pid
+
+    def poll(self) -> int | None:
+        code = self.popen.poll()
+        if code is not None and self._log is not None:
+            self._log.close()
+            self._log = None
+        return code
+
+    def kill(self) -> None:
+        if self._remote_kill:
+            _run_quietly(self._remote_kill)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+
+
+def _spawn(argv: list[str], env: dict, log_path: str, cwd: str | None, remote_kill=None) -> Proc:
+    os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
+    log = open(log_path, "ab")  # noqa: SIM115 (closed by Proc.poll once the process is gone)
+    popen = subprocess.Popen(
+        argv,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        cwd=cwd,
+        start_new_session=True,  # its own process group: kill() takes its children too, ^C does not reach it
+    )
+    return Proc(popen, log, remote_kill)
+
+
+class LocalBackend:
+    """`num_hosts` processes on this machine, each its own "host" (local0, local1, ...) with
+    `devices_per_host` emulated CPU devices, or `gpus_per_host` GPUs of its own through CUDA_VISIBLE_DEVICES.
+
+    `marker_dir`: the probe of host h fails while `<marker_dir>/<h>` exists (a host that stays broken until
+    someone removes the file)."""
+
+    name = "local"
+    heartbeat_bind = "127.0.0.1"  # every worker is on this machine
+
+    def __init__(
+        self,
+        num_hosts: int,
+        devices_per_host: int = 2,
+        gpus_per_host: int = 0,
+        python: str = "",
+        cwd: str | None = None,
+        marker_dir: str = "",
+    ):
+        self.hosts = [f"local{i}" for i in range(num_hosts)]
+        self.devices_per_host, self.gpus_per_host = devices_per_host, gpus_per_host
+        self.python = python or sys.executable
+        self.cwd, self.marker_dir = cwd, marker_dir
+
+    def host_env(self, host: str) -> dict:
+        """Returns the variables that give `host` its own devices."""
+        i = self.hosts.index(host)
+        env = {"PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)}
+        if self.marker_dir:
+            env["REVE_PROBE_FAIL_MARKER"] = os.path.join(self.marker_dir, host)
+        if self.gpus_per_host:
+            gpus = range(i * self.gpus_per_host, (i + 1) * self.gpus_per_host)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
+        else:
+            flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+            env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={self.devices_per_host}".strip()
+            env["JAX_PLATFORMS"] = "cpu"
+        return env
+
+    def coordinator(self, host: str, attempt: int) -> str:
+        return f"127.0.0.1:{free_port()}"
+
+    def heartbeat_host(self) -> str:
+        return "127.0.0.1"
+
+    def start(self, host: str, argv: list[str], env: dict, log_path: str) -> Proc:
+        argv = [self.python if a == "python" else a for a in argv]
+        return _spawn(argv, {**os.environ, **env, **self.host_env(host)}, log_path, self.cwd)
+
+    def probe(self, host: str, env: dict, log_path: str) -> Proc:
+        return self.start(host, ["python", "-m", PROBE_MODULE], env, log_path)
+
+
+class SSHBackend:
+    """One process per host through `ssh host`, run from `remote_dir` there (the same checkout on every host).
+
+    The remote process runs in its own session and writes its id to a pid file, so `kill()` can SIGKILL its
+    whole process group over a second ssh connection; ServerAlive options make the local ssh exit (code 255)
+    when a host stops answering."""
+
+    name = "ssh"
+    heartbeat_bind = "0.0.0.0"
+
+    def __init__(
+        self,
+        hosts: list[str],
+        remote_dir: str,
+        python: str = "python3",
+        base_port: int = 29500,
+        advertise: str = "",
+        ssh: tuple[str, ...] = ("ssh",),
+    ):
+        self.hosts = list(hosts)
+        self.remote_dir, self.python, self.base_port = remote_dir, python, base_port
+        self.advertise = advertise
+        self.ssh = list(ssh) + [
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "ConnectTimeout=10",
+            "-o",
+            "ServerAliveInterval=5",
+            "-o",
+            "ServerAliveCountMax=2",
+        ]
+
+    def coordinator(self, host: str, attempt: int) -> str:
+        # A fresh port per attempt: the previous coordinator's port may still be held on that host.
+        return f"{host}:{self.base_port + attempt % 500}"
+
+    def heartbeat_host(self) -> str:
+        return self.advertise or socket.getfqdn()
+
+    def remote_command(self, argv: list[str], env: dict, pidfile: str) -> str:
+        """Returns the shell line run on the remote host: start `argv` with `env` in its own session, record
+        its pid in `pidfile`, and exit with its exit code."""
+        argv = [self.python if a == "python" else a for a in argv]
+        assigns = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in env.items())
+        cmd = " ".join(shlex.quote(a) for a in argv)
+        return (
+            f"cd {shlex.quote(self.remote_dir)} && {{ env {assigns} setsid {cmd} & "
+            f"echo $! > {shlex.quote(pidfile)}; wait $!; }}"
+        )
+
+    def start(self, host: str, argv: list[str], env: dict, log_path: str) -> Proc:
+        pidfile = f"/tmp/reve-{uuid.uuid4().hex[:12]}.pid"
+        line = self.remote_command(argv, env, pidfile)
+        kill = self.ssh + [host, f"kill -9 -- -$(cat {shlex.quote(pidfile)}) ; rm -f {shlex.quote(pidfile)}"]
+        return _spawn(self.ssh + [host, line], dict(os.environ), log_path, None, remote_kill=kill)
+
+    def probe(self, host: str, env: dict, log_path: str) -> Proc:
+        return self.start(host, ["python", "-m", PROBE_MODULE], env, log_path)
+
+
+class SlurmBackend:
+    """One `srun` step per host inside the current allocation (SLURM_JOB_ID set); hosts default to the
+    allocation's nodes. `srun_args` are added to every step (e.g. --gpus-per-task=8). `kill()` cancels the
+    step with SIGKILL through scancel (killing srun alone can leave its tasks running) and then kills
+    srun."""
+
+    name = "slurm"
+    heartbeat_bind = "0.0.0.0"
+
+    def __init__(
+        self,
+        hosts: list[str] | None = None,
+        srun_args: tuple[str, ...] = (),
+        base_port: int = 29500,
+        advertise: str = "",
+    ):
+        self.job_id = os.environ.get("SLURM_JOB_ID", "")
+        if not self.job_id:
+            raise RuntimeError("the slurm backend runs inside an allocation (salloc/sbatch): SLURM_JOB_ID unset")
+        self.hosts = list(hosts) if hosts else allocation_hosts()
+        self.srun_args, self.base_port, self.advertise = list(srun_args), base_port, advertise
+
+    def coordinator(self, host: str, attempt: int) -> str:
+        return f"{host}:{self.base_port + attempt % 500}"
+
+    def heartbeat_host(self) -> str:
+        return self.advertise or socket.getfqdn()
+
+    def srun_command(self, host: str, argv: list[str], step_name: str) -> list[str]:
+        """Returns the srun line that runs `argv` as one task on `host`."""
+        return [
+            "srun",
+            "--nodes=1",
+            "--ntasks=1",
+            f"--nodelist={host}",
+            f"--job-name={step_name}",
+            "--overlap",
+            "--kill-on-bad-exit=1",
+            "--export=ALL",
+            *self.srun_args,
+            *argv,
+        ]
+
+    def start(self, host: str, argv: list[str], env: dict, log_path: str) -> Proc:
+        name = f"reve-{uuid.uuid4().hex[:12]}"
+        argv = ["python3" if a == "python" else a for a in argv]
+        # scancel by step name: the step id is known only to srun.
+        kill = [
+            "bash",
+            "-c",
+            f"squeue --steps --noheader --format='%i %j' --jobs {self.job_id} | "
+            f"awk '$2==\"{name}\" {{print $1}}' | xargs -r scancel --signal=KILL",
+        ]
+        return _spawn(self.srun_command(host, argv, name), {**os.environ, **env}, log_path, None, kill)
+
+    def probe(self, host: str, env: dict, log_path: str) -> Proc:
+        return self.start(host, ["python", "-m", PROBE_MODULE], env, log_path)
+
+
+def allocation_hosts() -> list[str]:
+    """Returns the node names of the current SLURM allocation."""
+    nodelist = os.environ["SLURM_JOB_NODELIST"]
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30, check=True
+    )
+    return out.stdout.split()

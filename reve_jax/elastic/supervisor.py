@@ -1,0 +1,218 @@
+"""The elastic supervisor: a thin loop that turns what it observes into policy events and the policy's
+decisions into backend actions.
+
+Observations: beats from the heartbeat server, exit codes of worker and probe processes, SIGTERM/SIGINT, the
+clock. Actions: launch a group (fresh coordinator port, one process per host), SIGKILL a group, ask it to stop
+at the next checkpoint (through the heartbeat replies), probe a host, write an event. All decisions are in
+`policy.Policy`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import time
+
+from reve_jax.elastic import policy as P
+from reve_jax.elastic.channel import HeartbeatServer
+from reve_jax.elastic.events import EventLog, read_events, summary
+
+EXIT_FINISHED, EXIT_FAILED, EXIT_STOPPED = 0, 1, 2
+
+
+@dataclasses.dataclass
+class WorkerSettings:
+    """What every worker is started with besides its place in the group."""
+
+    argv: list[str]  # e.g. ["python", "scripts/train.py", "--config", C, "--workdir", W, ...]
+    env: dict = dataclasses.field(default_factory=dict)  # extra variables (compilation cache, ...)
+    heartbeat_interval: float = 0.5
+    init_timeout: float = 120.0  # jax.distributed.initialize waits this long for every process
+    orphan_timeout: float = 0.0  # workers exit when the supervisor is unreachable this long (0: never)
+    probe_timeout: float = 120.0  # a probe running longer fails
+
+
+class Supervisor:
+    """Runs a job on `backend` until it finishes, fails for good, or is stopped.
+
+    Takes the backend, the worker settings, the policy config, `workdir` (events.jsonl and logs/ go there) and
+    `hosts` (default: the backend's). `run()` returns the exit code: 0 finished, 2 stopped on request (launch
+    again to resume), 1 failed.
+    """
+
+    def __init__(
+        self,
+        backend,
+        worker: WorkerSettings,
+        config: P.PolicyConfig,
+        workdir: str,
+        hosts: list[str] | None = None,
+        poll_s: float = 0.05,
+        clock=time.monotonic,
+        verbose: bool = True,
+    ):
+        self.backend, self.worker, self.workdir = backend, worker, workdir
+        self.hosts = list(hosts or backend.hosts)
+        self.policy = P.Policy(self.hosts, config)
+        self.poll_s, self.clock, self.verbose = poll_s, clock, verbose
+        events_path = os.path.join(workdir, "events.jsonl")
+        # A launch that resumes a run continues its attempt numbers, so logs and events stay apart.
+        self.policy.next_attempt = _next_attempt(events_path)
+        self.log = EventLog(events_path, clock)
+        self.server = HeartbeatServer(bind=getattr(backend, "heartbeat_bind", "0.0.0.0"), clock=clock)
+        self.procs: dict[tuple[int, str], object] = {}  # (attempt, host) -> Proc, until reported gone
+        self.probes: dict[str, tuple[object, float]] = {}  # host -> (Proc, start time)
+        self.probe_count = 0
+        self._signals = 0
+
+    # ------------------------------------------------------------------------------------------------- loop
+    def run(self) -> int:
+        self.server.start()
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        self._say(f"supervisor: {len(self.hosts)} hosts on {self.backend.name}, heartbeat port {self.server.port}")
+        self.log.write(
+            "start",
+            {
+                "hosts": self.hosts,
+                "backend": self.backend.name,
+                "config": dataclasses.asdict(self.policy.config),
+            },
+        )
+        handled_signals = 0
+        try:
+            self._execute(self.policy.start(self.clock()))
+            while self.policy.done is None:
+                events: list[P.Event] = []
+                for t, msg in self.server.drain():
+                    beat = _beat_from(t, msg)
+                    if beat is not None:
+                        events.append(beat)
+                now = self.clock()
+                for (attempt, host), proc in list(self.procs.items()):
+                    code = proc.poll()
+                    if code is not None:
+                        del self.procs[(attempt, host)]
+                        events.append(P.Exit(now, attempt, host, code))
+                events.extend(self._poll_probes(now))
+                while handled_signals < self._signals:
+                    handled_signals += 1
+                    events.append(P.Preempt(now))
+                events.append(P.Tick(now))
+                for ev in events:
+                    self._execute(self.policy.step(ev))
+                time.sleep(self.poll_s)
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            self._kill_everything()
+            self.server.close()
+        done = self.policy.done
+        print(summary(self.log.records), flush=True)
+        self.log.close()
+        return {"finished": EXIT_FINISHED, "preempted": EXIT_STOPPED}.get(done.status, EXIT_FAILED)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self._signals += 1
+
+    # ---------------------------------------------------------------------------------------------- actions
+    def _execute(self, actions: list[P.Action]) -> None:
+        for a in actions:
+            if isinstance(a, P.Launch):
+                self._launch(a)
+            elif isinstance(a, P.Kill):
+                self._say(f"supervisor: killing group {a.attempt}: {a.reason}")
+                for (attempt, _), proc in self.procs.items():
+                    if attempt == a.attempt:
+                        proc.kill()
+            elif isinstance(a, P.RequestStop):
+                self._say(f"supervisor: asking group {a.attempt} to stop ({a.reason})")
+                self.server.request_stop(a.attempt)
+            elif isinstance(a, P.Probe):
+                self._probe(a.host)
+            elif isinstance(a, P.Record):
+                rec = self.log.write(a.kind, a.data)
+                if a.kind in ("failure", "quarantine", "exclude", "readmit", "recovery", "waiting"):
+                    self._say(f"supervisor: {rec}")
+
+    def _launch(self, a: P.Launch) -> None:
+        coordinator = self.backend.coordinator(a.hosts[0], a.attempt)
+        heartbeat = f"{self.backend.heartbeat_host()}:{self.server.port}"
+        pids = {}
+        for i, host in enumerate(a.hosts):
+            env = {
+                **self.worker.env,
+                "REVE_COORDINATOR": coordinator,
+                "REVE_NUM_PROCESSES": str(len(a.hosts)),
+                "REVE_PROCESS_ID": str(i),
+                "REVE_HEARTBEAT": heartbeat,
+                "REVE_HOST": host,
+                "REVE_ATTEMPT": str(a.attempt),
+                "REVE_HEARTBEAT_INTERVAL": str(self.worker.heartbeat_interval),
+                "REVE_INIT_TIMEOUT": str(int(self.worker.init_timeout)),
+                # JAX's own failure cascade must be slower than this supervisor's detection (see worker.py).
+                "REVE_JAX_HEARTBEAT_TIMEOUT": str(int(max(30, 4 * self.policy.config.heartbeat_timeout))),
+                "REVE_ORPHAN_TIMEOUT": str(self.worker.orphan_timeout),
+                "PYTHONUNBUFFERED": "1",
+            }
+            log_path = os.path.join(self.workdir, "logs", f"attempt{a.attempt}_{host}.log")
+            proc = self.backend.start(host, list(self.worker.argv), env, log_path)
+            self.procs[(a.attempt, host)] = proc
+            pids[host] = proc.pid
+        self.log.write("spawn", {"attempt": a.attempt, "coordinator": coordinator, "pids": pids})
+        self._say(f"supervisor: group {a.attempt} on {len(a.hosts)} hosts {list(a.hosts)}, coordinator {coordinator}")
+
+    def _probe(self, host: str) -> None:
+        self.probe_count += 1
+        log_path = os.path.join(self.workdir, "logs", f"probe{self.probe_count}_{host}.log")
+        self.probes[host] = (self.backend.probe(host, dict(self.worker.env), log_path), self.clock())
+
+    def _poll_probes(self, now: float) -> list[P.Event]:
+        out = []
+        for host, (proc, started) in list(self.probes.items()):
+            code = proc.poll()
+            if code is None and now - started > self.worker.probe_timeout:
+                proc.kill()
+                code = -9
+            if code is not None:
+                del self.probes[host]
+                out.append(P.ProbeResult(now, host, code == 0))
+        return out
+
+    def _kill_everything(self) -> None:
+        """On the way out (normal or not), leave no worker or probe behind."""
+        procs = list(self.procs.values()) + [p for p, _ in self.probes.values()]
+        for proc in procs:
+            proc.kill()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(p.poll() is None for p in procs):
+            time.sleep(0.05)
+
+    def _say(self, text: str) -> None:
+        if self.verbose:
+            print(text, flush=True)
+
+
+def _beat_from(t: float, msg: dict) -> P.Beat | None:
+    """Returns the policy event for one heartbeat message, or None if it is malformed."""
+    try:
+        start = msg.get("start_step")
+        return P.Beat(
+            t,
+            int(msg["attempt"]),
+            str(msg["host"]),
+            int(msg["step"]),
+            str(msg.get("phase", "train")),
+            None if start is None else int(start),
+            str(msg.get("where", "")),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _next_attempt(events_path: str) -> int:
+    """Returns one more than the last attempt launched in an earlier run's events file (0 if none)."""
+    if not os.path.exists(events_path):
+        return 0
+    launched = [r["attempt"] for r in read_events(events_path) if r.get("event") == "launch"]
+    return max(launched, default=-1) + 1

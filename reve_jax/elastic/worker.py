@@ -1,0 +1,150 @@
+"""The worker's side of the elastic supervisor: join the process group, beat, and notice a request to stop.
+
+The trainer calls `init_from_env()` first thing, before it touches JAX devices:
+
+    ctx = init_from_env()                  # jax.distributed joined when launched by the supervisor
+    ctx.beat(-1, "restoring"); ...restore...
+    ctx.beat(step, "compiling")            # the restored step: the supervisor counts lost work from it
+    for ...:
+        state = train_step(...); step += 1
+        ctx.beat(step, "train")            # cheap: stores two values, a thread sends them
+        if any_process(ctx.stop_requested()): save(step); break   # every process agrees, then stops
+    ctx.close()                            # exit 0: finished or stopped on request; non-zero: failed
+
+Without the supervisor's variables (REVE_NUM_PROCESSES unset) every call is a no-op for one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import os
+import signal
+import sys
+import threading
+
+from reve_jax.elastic.channel import HeartbeatClient
+
+
+@dataclasses.dataclass
+class WorkerContext:
+    """This process's place in the group and its link to the supervisor."""
+
+    process_id: int = 0
+    num_processes: int = 1
+    host: str = ""
+    attempt: int = 0
+    supervised: bool = False  # launched by the supervisor
+    _client: HeartbeatClient | None = None
+    _stop: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def beat(self, step: int, phase: str = "train") -> None:
+        """Reports the state's step (steps completed) and what the process is doing: "restoring",
+        "compiling", "train", "saving"... Phases other than "train" get the longer start-up grace before
+        counting as hung."""
+        if self._client is not None:
+            self._client.update(step, phase)
+
+    def stop_requested(self) -> bool:
+        """True once the supervisor asked the group to stop at the next checkpoint, or on a local
+        SIGTERM/SIGINT. Processes may see it at different steps: agree with `any_process` before
+        stopping."""
+        client_stop = self._client is not None and self._client.stop_event.is_set()
+        return client_stop or self._stop.is_set()
+
+    def close(self) -> None:
+        """Sends the last state and stops the heartbeat thread."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def init_from_env(environ: dict | None = None) -> WorkerContext:
+    """Joins the process group the supervisor launched this process into, from its environment variables.
+
+    Takes `environ` (default os.environ): REVE_COORDINATOR (host:port), REVE_NUM_PROCESSES, REVE_PROCESS_ID,
+    REVE_HEARTBEAT (host:port of the supervisor's channel), REVE_HOST, REVE_ATTEMPT, and optionally
+    REVE_HEARTBEAT_INTERVAL, REVE_INIT_TIMEOUT, REVE_JAX_HEARTBEAT_TIMEOUT, REVE_SHUTDOWN_TIMEOUT (s),
+    REVE_ORPHAN_TIMEOUT (s). Returns the WorkerContext; a single-process no-op one without REVE_NUM_PROCESSES.
+    """
+    env = os.environ if environ is None else environ
+    if not env.get("REVE_NUM_PROCESSES"):
+        return WorkerContext()
+    ctx = WorkerContext(
+        process_id=int(env["REVE_PROCESS_ID"]),
+        num_processes=int(env["REVE_NUM_PROCESSES"]),
+        host=env.get("REVE_HOST", ""),
+        attempt=int(env.get("REVE_ATTEMPT", "0")),
+        supervised=True,
+    )
+    if env.get("REVE_HEARTBEAT"):
+        # Beat before joining: jax.distributed.initialize blocks until every process is in, and the supervisor
+        # should see this process alive (phase "starting") meanwhile.
+        identity = {
+            "host": ctx.host,
+            "attempt": ctx.attempt,
+            "process_id": ctx.process_id,
+            "pid": os.getpid(),
+        }
+        ctx._client = HeartbeatClient(
+            env["REVE_HEARTBEAT"],
+            identity,
+            interval=float(env.get("REVE_HEARTBEAT_INTERVAL", "0.5")),
+            orphan_timeout=float(env.get("REVE_ORPHAN_TIMEOUT", "0")),
+        ).start()
+    if ctx.num_processes > 1:
+        _join_jax(env, ctx)
+    _install_signal_handlers(ctx._stop)
+    return ctx
+
+
+def _join_jax(env, ctx: WorkerContext) -> None:
+    import jax
+
+    # CPU processes talk through gloo; the option is harmless on GPU and may be gone in later versions.
+    with contextlib.suppress(AttributeError, KeyError, ValueError):
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    kwargs = {
+        "coordinator_address": env["REVE_COORDINATOR"],
+        "num_processes": ctx.num_processes,
+        "process_id": ctx.process_id,
+        # Our supervisor names every process; JAX must not guess from SLURM or other cluster variables.
+        "cluster_detection_method": "deactivate",
+        "initialization_timeout": int(float(env.get("REVE_INIT_TIMEOUT", "120"))),
+        # A dead peer aborts the others after this; it stays above the supervisor's own heartbeat timeout so
+        # the supervisor, not this cascade, tells which host failed.
+        "heartbeat_timeout_seconds": int(float(env.get("REVE_JAX_HEARTBEAT_TIMEOUT", "30"))),
+        "shutdown_timeout_seconds": int(float(env.get("REVE_SHUTDOWN_TIMEOUT", "30"))),
+    }
+    accepted = inspect.signature(jax.distributed.initialize).parameters
+    jax.distributed.initialize(**{k: v for k, v in kwargs.items() if k in accepted})
+
+
+def _install_signal_handlers(stop: threading.Event) -> None:
+    """SIGTERM/SIGINT ask for a clean stop; a second one exits at once. Installed after jax.distributed
+    joins, which installs JAX's own SIGTERM handler that this replaces."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def handler(signum, _frame):
+        if stop.is_set():
+            os._exit(128 + signum)
+        print(f"worker: signal {signum}, stopping at the next checkpoint", file=sys.stderr, flush=True)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def any_process(flag: bool) -> bool:
+    """Returns True on every process if `flag` is True on any: a collective, so every process calls it at the
+    same step. Cheap for one process (no collective)."""
+    import jax
+    import numpy as np
+
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    return bool(np.any(multihost_utils.process_allgather(np.asarray([flag], dtype=np.int32))))

@@ -1,0 +1,133 @@
+"""Launch backends and the launcher's command line: local device isolation, SSH through a stand-in `ssh` that
+runs the remote line here (quoting, pid file, remote kill), SLURM command lines, config hints, group sizes."""
+
+import os
+import stat
+import sys
+import time
+
+import pytest
+
+from reve_jax.elastic import backends
+from reve_jax.elastic.launch import config_hints, group_sizes, parse_args
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Drops ssh's options and the host name, then runs the remote command line with bash, here.
+FAKE_SSH = """#!/bin/bash
+while [ "$1" = "-o" ]; do shift 2; done
+shift
+exec bash -c "$1"
+"""
+
+
+def wait_exit(proc, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        code = proc.poll()
+        if code is not None:
+            return code
+        time.sleep(0.05)
+    proc.kill()
+    raise AssertionError("process did not exit")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purpose
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_local_hosts_get_their_own_devices(monkeypatch, tmp_path):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_dump_to=/x")
+    cpu = backends.LocalBackend(2, devices_per_host=3, marker_dir=str(tmp_path)).host_env("local1")
+    assert cpu["JAX_PLATFORMS"] == "cpu"
+    assert cpu["XLA_FLAGS"] == "--xla_dump_to=/x --xla_force_host_platform_device_count=3"
+    assert cpu["REVE_PROBE_FAIL_MARKER"] == str(tmp_path / "local1")
+    assert cpu["PYTHONPATH"].split(os.pathsep)[0] == ROOT
+    gpu = backends.LocalBackend(4, gpus_per_host=2).host_env("local2")
+    assert gpu["CUDA_VISIBLE_DEVICES"] == "4,5" and "JAX_PLATFORMS" not in gpu
+
+
+def test_local_probe_passes_and_fails_on_marker(tmp_path):
+    backend = backends.LocalBackend(1, devices_per_host=2, marker_dir=str(tmp_path))
+    assert wait_exit(backend.probe("local0", {}, str(tmp_path / "p1.log"))) == 0
+    (tmp_path / "local0").touch()
+    assert wait_exit(backend.probe("local0", {}, str(tmp_path / "p2.log"))) == 1
+    assert "marked broken" in (tmp_path / "p2.log").read_text()
+
+
+@pytest.fixture
+def fake_ssh(tmp_path):
+    path = tmp_path / "ssh"
+    path.write_text(FAKE_SSH)
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return str(path)
+
+
+def test_ssh_runs_remote_line_with_env_and_exit_code(fake_ssh, tmp_path):
+    backend = backends.SSHBackend(["nodeA"], remote_dir=ROOT, python=sys.executable, ssh=(fake_ssh,))
+    code = "import os, sys; print(os.getcwd(), os.environ['REVE_X']); sys.exit(7)"
+    proc = backend.start("nodeA", ["python", "-c", code], {"REVE_X": "a b'c"}, str(tmp_path / "w.log"))
+    assert wait_exit(proc) == 7
+    assert (tmp_path / "w.log").read_text().strip() == f"{ROOT} a b'c"
+    assert wait_exit(backend.probe("nodeA", {"JAX_PLATFORMS": "cpu"}, str(tmp_path / "p.log"))) == 0
+
+
+def test_ssh_kill_reaches_the_remote_process_group(fake_ssh, tmp_path):
+    backend = backends.SSHBackend(["nodeA"], remote_dir=ROOT, python=sys.executable, ssh=(fake_ssh,))
+    pidfile = tmp_path / "child.pid"
+    # The remote worker starts a child of its own: the kill must take both.
+    code = (
+        "import os, subprocess, sys, time; "
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']); "
+        f"open({str(pidfile)!r}, 'w').write(f'{{os.getpid()}} {{c.pid}}'); time.sleep(120)"
+    )
+    proc = backend.start("nodeA", ["python", "-c", code], {}, str(tmp_path / "w.log"))
+    deadline = time.monotonic() + 30
+    while not (pidfile.exists() and pidfile.read_text().count(" ") == 1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = [int(p) for p in pidfile.read_text().split()]
+    assert all(alive(p) for p in pids)
+    proc.kill()
+    assert wait_exit(proc, 10) != 0
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(p) for p in pids)
+
+
+def test_ssh_coordinator_port_changes_per_attempt():
+    backend = backends.SSHBackend(["n1", "n2"], remote_dir="/src", advertise="sup.example")
+    assert backend.coordinator("n1", 0) != backend.coordinator("n1", 1)
+    assert backend.coordinator("n1", 3).startswith("n1:") and backend.heartbeat_host() == "sup.example"
+
+
+def test_slurm_command_line(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "1234")
+    backend = backends.SlurmBackend(["gpu001", "gpu002"], srun_args=("--gpus-per-task=8",))
+    argv = backend.srun_command("gpu002", ["python3", "scripts/train.py"], "reve-x")
+    assert argv[:6] == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu002", "--job-name=reve-x", "--overlap"]
+    assert argv[-3:] == ["--gpus-per-task=8", "python3", "scripts/train.py"]
+    monkeypatch.delenv("SLURM_JOB_ID")
+    with pytest.raises(RuntimeError, match="allocation"):
+        backends.SlurmBackend(["gpu001"])
+
+
+def test_launcher_arguments_and_hints():
+    args, overrides = parse_args(
+        ["--config", "configs/tiny.py", "--workdir", "w", "--hosts", "4", "--config.train.steps=7"]
+    )
+    assert args.hosts == "4" and overrides == ["--config.train.steps=7"]
+    with pytest.raises(SystemExit):
+        parse_args(["--config", "c", "--workdir", "w", "--hosts", "4", "--bogus"])
+    hints = config_hints(os.path.join(ROOT, "configs", "tiny.py"), ["--config.train.steps=7"])
+    assert hints["steps"] == 7 and hints["ckpt_every"] > 0 and hints["global_batch"] > 0
+    assert group_sizes("auto", 4, 2, {"global_batch": 24}) == (1, 2, 3, 4)
+    assert group_sizes("auto", 4, 2, {"global_batch": 32}) == (1, 2, 4)
+    assert group_sizes("auto", 4, 2, {"global_batch": 32, "grad_accum": 2}) == (1, 2, 4)
+    assert group_sizes("any", 4, 2, {"global_batch": 32}) == ()
+    assert group_sizes("4,2", 4, 2, {}) == (2, 4)

@@ -1,0 +1,168 @@
+"""The heartbeat channel over real TCP, fed to the policy: beats, stop replies, stale and no-progress detection."""
+
+import os
+import signal
+import threading
+import time
+
+from reve_jax.elastic import policy as P
+from reve_jax.elastic.channel import HeartbeatClient, HeartbeatServer, main_thread_location
+from reve_jax.elastic.supervisor import _beat_from
+from reve_jax.elastic.worker import init_from_env
+
+
+def wait_for(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def client(server, host, attempt=0, interval=0.05):
+    return HeartbeatClient(f"127.0.0.1:{server.port}", {"host": host, "attempt": attempt}, interval).start()
+
+
+def test_beats_arrive_with_step_phase_start_step_and_stop_reply():
+    server = HeartbeatServer(bind="127.0.0.1").start()
+    c = client(server, "a", attempt=3)
+    try:
+        c.update(-1, "restoring")
+        c.update(7, "compiling")  # the restored step
+        c.update(9, "train")
+        got = []
+        assert wait_for(lambda: got.extend(m for _, m in server.drain()) or any(m["step"] == 9 for m in got))
+        last = [m for m in got if m["step"] == 9][-1]
+        assert last["host"] == "a" and last["attempt"] == 3 and last["phase"] == "train"
+        assert last["start_step"] == 7
+        assert last["where"].count(":") == 2  # file:line:function of the main thread
+        assert not c.stop_event.is_set()
+        server.request_stop(2)  # another group
+        time.sleep(0.2)
+        assert not c.stop_event.is_set()
+        server.request_stop(3)
+        assert wait_for(c.stop_event.is_set)
+    finally:
+        c.close()
+        server.close()
+
+
+def test_client_survives_a_missing_supervisor():
+    server = HeartbeatServer(bind="127.0.0.1")
+    port = server.port
+    server.close()  # nothing listens: the client keeps trying without raising or blocking update()
+    c = HeartbeatClient(f"127.0.0.1:{port}", {"host": "a", "attempt": 0}, 0.05).start()
+    t0 = time.perf_counter()
+    for s in range(1000):
+        c.update(s, "train")
+    assert time.perf_counter() - t0 < 0.5
+    c.close(flush=False)
+
+
+def test_policy_detects_stale_and_stuck_hosts_over_the_channel():
+    """Host a beats and progresses, b beats at a fixed step (alive, hung), c stops beating (gone)."""
+    server = HeartbeatServer(bind="127.0.0.1").start()
+    config = P.PolicyConfig(heartbeat_timeout=0.6, progress_timeout=1.0, hang_slack=0.3)
+    policy = P.Policy(["a", "b", "c"], config)
+    policy.start(time.monotonic())
+    clients = {h: client(server, h) for h in "abc"}
+    failures = []
+    try:
+        for cl in clients.values():
+            cl.update(0, "compiling")
+        step, t_end = 0, time.monotonic() + 4.0
+        while time.monotonic() < t_end and len(failures) < 2:
+            step += 1
+            clients["a"].update(step, "train")
+            if step == 3:
+                clients["c"].close(flush=False)  # c goes silent
+            if step <= 2:
+                clients["b"].update(step, "train")
+            for t, msg in server.drain():
+                for a in policy.step(_beat_from(t, msg)):
+                    if isinstance(a, P.Record) and a.kind == "failure":
+                        failures.append(a.data)
+            for a in policy.step(P.Tick(time.monotonic())):
+                if isinstance(a, P.Record) and a.kind == "failure":
+                    failures.append(a.data)
+            if failures and policy.group is not None and policy.group.mode == "killing":
+                break
+            time.sleep(0.05)
+    finally:
+        for cl in clients.values():
+            cl.close(flush=False)
+        server.close()
+    # c's heartbeat stops first (0.6 s); b would be caught for no progress (1.0 s) had the group not been killed.
+    assert failures and failures[0]["hosts"] == ["c"] and failures[0]["reason"] == "heartbeat lost"
+    assert 0.6 <= failures[0]["detection_s"] < 1.5
+
+
+def test_no_progress_detected_while_beats_continue():
+    server = HeartbeatServer(bind="127.0.0.1").start()
+    policy = P.Policy(["a", "b"], P.PolicyConfig(heartbeat_timeout=2.0, progress_timeout=0.8, hang_slack=0.2))
+    policy.start(time.monotonic())
+    clients = {h: client(server, h) for h in "ab"}
+    failures = []
+    try:
+        for cl in clients.values():
+            cl.update(0, "compiling")
+        for s in range(1, 4):
+            for cl in clients.values():
+                cl.update(s, "train")
+            time.sleep(0.05)
+        t_end = time.monotonic() + 3.0
+        while time.monotonic() < t_end and not failures:
+            clients["a"].update(int((time.monotonic() - t_end) * 100), "train")  # a progresses, b does not
+            events = [_beat_from(t, m) for t, m in server.drain()] + [P.Tick(time.monotonic())]
+            for ev in events:
+                failures += [a.data for a in policy.step(ev) if isinstance(a, P.Record) and a.kind == "failure"]
+            time.sleep(0.05)
+    finally:
+        for cl in clients.values():
+            cl.close(flush=False)
+        server.close()
+    assert failures and failures[0]["hosts"] == ["b"] and failures[0]["reason"] == "no progress"
+    assert 0.8 <= failures[0]["detection_s"] < 1.6
+
+
+def test_main_thread_location_names_the_waiting_frame():
+    done = threading.Event()
+    seen = []
+    main_id = threading.main_thread().ident
+
+    def look():
+        time.sleep(0.1)
+        seen.append(main_thread_location(main_id))
+        done.set()
+
+    threading.Thread(target=look).start()
+    done.wait(5)
+    assert "test_elastic_channel.py" in seen[0] or "threading.py" in seen[0]
+
+
+def test_init_from_env_single_process_and_stop_on_sigterm():
+    assert not init_from_env({}).supervised  # no REVE_* variables: a plain run
+    server = HeartbeatServer(bind="127.0.0.1").start()
+    env = {
+        "REVE_NUM_PROCESSES": "1",
+        "REVE_PROCESS_ID": "0",
+        "REVE_HOST": "h",
+        "REVE_ATTEMPT": "4",
+        "REVE_HEARTBEAT": f"127.0.0.1:{server.port}",
+        "REVE_HEARTBEAT_INTERVAL": "0.05",
+    }
+    old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        ctx = init_from_env(env)
+        assert (ctx.process_id, ctx.num_processes, ctx.attempt, ctx.supervised) == (0, 1, 4, True)
+        ctx.beat(5, "train")
+        assert wait_for(lambda: any(m.get("step") == 5 for _, m in server.drain()))
+        assert not ctx.stop_requested()
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert wait_for(ctx.stop_requested)
+        ctx.close()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        server.close()

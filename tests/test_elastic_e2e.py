@@ -1,0 +1,366 @@
+"""End-to-end elastic runs on the CPU test bed: the launcher as a subprocess over 2-4 local processes (2
+emulated devices each, gloo), failures injected with SIGKILL, SIGSTOP, a hung main thread and SIGTERM.
+
+The fake worker (tests/elastic_fake_worker.py) stands in for the trainer where only the supervision is tested;
+test_real_trainer_* run scripts/train.py. Every subprocess has a hard timeout and is killed at the end.
+"""
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAKE = os.path.join(ROOT, "tests", "elastic_fake_worker.py")
+
+
+class Launcher:
+    """`scripts/launch.py` running in its own process group, output to `<workdir>/launcher.log`."""
+
+    def __init__(self, workdir: str, hosts: int, args: list[str], script: str = FAKE, xla_flags: str = ""):
+        self.workdir = workdir
+        os.makedirs(workdir, exist_ok=True)
+        self.log = open(os.path.join(workdir, "launcher.log"), "ab")  # noqa: SIM115
+        argv = [
+            sys.executable,
+            os.path.join(ROOT, "scripts", "launch.py"),
+            "--config",
+            "configs/tiny.py",
+            "--workdir",
+            workdir,
+            "--hosts",
+            str(hosts),
+            "--script",
+            script,
+            *args,
+        ]
+        env = dict(os.environ, XLA_FLAGS=xla_flags)  # the launcher adds each host's device count
+        self.proc = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+    def wait(self, timeout: float) -> int:
+        """Returns the launcher's exit code; fails the test (after a clean-up) if it runs past `timeout`."""
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"launcher still running after {timeout} s; see {self.workdir}") from None
+
+    def kill(self) -> None:
+        """SIGKILLs the launcher and every worker it recorded starting (they run in sessions of their own)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        for pid in all_pids(self.workdir):
+            if _runs_in(pid, self.workdir):  # ours still (a pid can be reused once its process is gone)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)
+        self.log.close()
+
+    def output(self) -> str:
+        with open(os.path.join(self.workdir, "launcher.log")) as f:
+            return f.read()
+
+
+def _runs_in(pid: int, workdir: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return workdir.encode() in f.read()
+    except OSError:
+        return False
+
+
+def events(workdir: str, kind: str | None = None) -> list[dict]:
+    path = os.path.join(workdir, "events.jsonl")
+    if not os.path.exists(path):
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return [r for r in out if kind is None or r["event"] == kind]
+
+
+def all_pids(workdir: str) -> list[int]:
+    return [pid for r in events(workdir, "spawn") for pid in r["pids"].values()]
+
+
+def worker_pid(workdir: str, host: str) -> int:
+    """Returns the pid of `host`'s worker in the newest group."""
+    return events(workdir, "spawn")[-1]["pids"][host]
+
+
+def wait_until(cond, timeout: float, what: str, poll: float = 0.1):
+    """Returns cond()'s first truthy value; fails after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def last_metric_step(workdir: str) -> int:
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return -1
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    try:
+        return int(json.loads(lines[-1])["step"]) if lines else -1
+    except ValueError:
+        return -1
+
+
+def metrics_by_step(workdir: str) -> dict[int, dict]:
+    """Returns the last record logged for each step (steps redone after a restore overwrite the lost ones)."""
+    out = {}
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                out[int(rec["step"])] = rec
+    return out
+
+
+@pytest.fixture
+def launched():
+    """Starts launchers for a test and kills whatever is left of them afterwards."""
+    started = []
+
+    def start(*a, **kw) -> Launcher:
+        started.append(Launcher(*a, **kw))
+        return started[-1]
+
+    yield start
+    for launcher in started:
+        launcher.kill()
+
+
+def fake_w(steps: int) -> float:
+    """The fake worker's state after `steps` uninterrupted steps."""
+    w = 1.0
+    for s in range(steps):
+        w = 0.9 * w + 0.1 * (s % 7)
+    return w
+
+
+FAST = ["--group-sizes", "any", "--heartbeat-timeout", "3", "--probe-interval", "1", "--startup-timeout", "60"]
+
+
+def fake_args(steps: int, ckpt_every: int, *extra: str) -> list[str]:
+    return [
+        *FAST,
+        f"--config.train.steps={steps}",
+        f"--config.train.ckpt_every={ckpt_every}",
+        "--worker-arg=--fake.step_time=0.1",
+        *extra,
+    ]
+
+
+def recovery_after(workdir: str, t_fault: float) -> dict:
+    return wait_until(lambda: [r for r in events(workdir, "recovery") if r["time"] > t_fault], 90, "a recovery")[0]
+
+
+@pytest.mark.slow
+def test_kill_one_of_four_finishes_on_three(tmp_path, launched):
+    wd = str(tmp_path / "run")
+    os.makedirs(tmp_path / "broken")
+    (tmp_path / "broken" / "local2").touch()  # stays broken: its probes fail
+    run = launched(wd, 4, fake_args(60, 10, "--marker-dir", str(tmp_path / "broken")))
+    wait_until(lambda: last_metric_step(wd) >= 15, 60, "step 15")
+    t_kill = time.time()
+    os.kill(worker_pid(wd, "local2"), signal.SIGKILL)
+    rec = recovery_after(wd, t_kill)
+    assert run.wait(120) == 0, run.output()
+    (fail,) = events(wd, "failure")
+    assert fail["hosts"] == ["local2"] and fail["reason"] == "exit code -9"
+    assert events(wd, "launch")[-1]["hosts"] == ["local0", "local1", "local3"]
+    assert rec["group_size"] == 3 and rec["lost_steps"] == rec["last_step"] - rec["restored_step"] >= 0
+    assert rec["restored_step"] % 10 == 0
+    detection = fail["time"] - t_kill
+    resumed = rec["time"] - t_kill
+    print(f"kill -> detected {detection:.2f} s, training again {resumed:.2f} s; record {rec}")
+    assert detection < 10 and resumed < 60
+    with open(os.path.join(wd, "fake_ckpt.json")) as f:
+        final = json.load(f)
+    assert final["step"] == 60 and final["w"] == pytest.approx(fake_w(60), rel=1e-12)
+    losses = metrics_by_step(wd)
+    assert [losses[s]["loss"] for s in range(1, 61)] == pytest.approx([fake_w(s) for s in range(1, 61)])
+    assert "recovery (failure) on 3 hosts" in run.output()  # the summary
+
+
+@pytest.mark.slow
+def test_stopped_and_hung_workers_are_replaced(tmp_path, launched):
+    """local1 is frozen (SIGSTOP: no heartbeat), then local2's main thread hangs in group 1 (heartbeats, no
+    progress, the others wait in the all-reduce): each is detected, quarantined, and the run ends on two."""
+    wd = str(tmp_path / "run")
+    os.makedirs(tmp_path / "broken")
+    for h in ("local1", "local2"):
+        (tmp_path / "broken" / h).touch()
+    run = launched(
+        wd,
+        4,
+        fake_args(
+            80,
+            5,
+            "--marker-dir",
+            str(tmp_path / "broken"),
+            "--progress-timeout",
+            "5",
+            "--worker-arg=--fake.hang=local2:1:5",
+        ),
+    )
+    wait_until(lambda: last_metric_step(wd) >= 10, 60, "step 10")
+    t_stop = time.time()
+    os.kill(worker_pid(wd, "local1"), signal.SIGSTOP)
+    assert run.wait(150) == 0, run.output()
+    first, second = events(wd, "failure")
+    assert first["hosts"] == ["local1"] and first["reason"] == "heartbeat lost"
+    assert second["hosts"] == ["local2"] and second["reason"].startswith("no progress")
+    assert first["time"] - t_stop < 10
+    assert 5 <= second["detection_s"] < 10
+    assert events(wd, "launch")[-1]["hosts"] == ["local0", "local3"]
+    recs = events(wd, "recovery")
+    print("recoveries:", recs)
+    assert len(recs) == 2 and all(r["total_s"] < 60 for r in recs)
+    with open(os.path.join(wd, "fake_ckpt.json")) as f:
+        assert json.load(f)["step"] == 80
+
+
+@pytest.mark.slow
+def test_quarantined_host_is_readmitted(tmp_path, launched):
+    wd = str(tmp_path / "run")
+    os.makedirs(tmp_path / "broken")
+    marker = tmp_path / "broken" / "local3"
+    marker.touch()
+    run = launched(wd, 4, fake_args(150, 10, "--marker-dir", str(tmp_path / "broken")))
+    wait_until(lambda: last_metric_step(wd) >= 10, 60, "step 10")
+    t_kill = time.time()
+    os.kill(worker_pid(wd, "local3"), signal.SIGKILL)
+    recovery_after(wd, t_kill)
+    wait_until(lambda: [r for r in events(wd, "probe") if not r["ok"]], 30, "a failed probe")
+    assert events(wd, "launch")[-1]["hosts"] == ["local0", "local1", "local2"]
+    marker.unlink()  # "repaired"
+    assert run.wait(150) == 0, run.output()
+    (readmit,) = events(wd, "readmit")
+    assert readmit["host"] == "local3"
+    assert [r["reason"] for r in events(wd, "stopped")] == ["readmit"]
+    assert events(wd, "launch")[-1]["hosts"] == ["local0", "local1", "local2", "local3"]
+    back = events(wd, "recovery")[-1]
+    assert back["cause"] == "readmit" and back["group_size"] == 4 and back["lost_steps"] == 0
+    with open(os.path.join(wd, "fake_ckpt.json")) as f:
+        final = json.load(f)
+    assert final["step"] == 150 and final["w"] == pytest.approx(fake_w(150), rel=1e-12)
+
+
+@pytest.mark.slow
+def test_sigterm_saves_and_next_launch_resumes(tmp_path, launched):
+    wd = str(tmp_path / "run")
+    run = launched(wd, 2, fake_args(1000, 100))
+    wait_until(lambda: last_metric_step(wd) >= 8, 60, "step 8")
+    os.kill(run.proc.pid, signal.SIGTERM)
+    assert run.wait(60) == 2, run.output()
+    (stopped,) = events(wd, "stopped")
+    assert stopped["reason"] == "preempt"
+    assert all(r["code"] == 0 for r in events(wd, "exit"))
+    with open(os.path.join(wd, "fake_ckpt.json")) as f:
+        saved = json.load(f)["step"]
+    assert saved == stopped["step"] and saved % 100 != 0  # saved on request, not at the cadence
+    again = launched(wd, 2, fake_args(saved + 5, 100))
+    assert again.wait(60) == 0, again.output()
+    assert events(wd, "launch")[-1]["attempt"] == 1  # attempt numbers continue across launches
+    with open(os.path.join(wd, "logs", "attempt1_local0.log")) as f:
+        assert f"from step {saved}" in f.read()
+    with open(os.path.join(wd, "fake_ckpt.json")) as f:
+        final = json.load(f)
+    assert final["step"] == saved + 5 and final["w"] == pytest.approx(fake_w(saved + 5), rel=1e-12)
+
+
+# ------------------------------------------------------------------------------------- the real trainer
+TINY = [
+    "--config.model.depth=1", "--config.model.width=32", "--config.model.heads=2", "--config.text.width=32",
+    "--config.text.depth=1", "--config.text.heads=2", "--config.data.image_size=16", "--config.train.steps=10",
+    "--config.train.ckpt_every=3", "--config.train.log_every=1", "--config.train.global_batch=24",
+    "--config.train.sample_every=0", "--config.sample.num=2", "--config.sample.steps=1",
+    "--config.train.peak_tflops=1", "--config.data.worker_threads=1",
+]  # fmt: skip
+TRAIN = os.path.join(ROOT, "scripts", "train.py")
+# Half the CPU compile time; both runs use it, so they stay comparable.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def _final_params(workdirs: list[str]) -> list[tuple[int, list]]:
+    """Returns (step, parameter leaves as numpy) of the newest checkpoint of each workdir, restored here."""
+    import jax
+
+    from reve_jax import checkpoint, config, sharding, train_state
+
+    cfg = config.load_config(os.path.join(ROOT, "configs", "tiny.py"), TINY)
+    setup = train_state.make_setup(cfg, sharding.make_mesh(cfg.mesh))
+    out = []
+    for wd in workdirs:
+        ckpt = checkpoint.Checkpointer(wd, async_save=False)
+        state, meta = ckpt.restore_latest(setup.abstract_state)
+        ckpt.close()
+        out.append((meta["step"], jax.tree.leaves(jax.device_get(state["params"]))))
+    return out
+
+
+def _train_reference(workdir: str) -> None:
+    """One uninterrupted process with 8 devices: the same global batch and data order as 4 x 2."""
+    flags = f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+    env.pop("REVE_NUM_PROCESSES", None)
+    with open(os.path.join(os.path.dirname(workdir), "reference.log"), "wb") as log:
+        code = subprocess.run(
+            [sys.executable, TRAIN, "--config", "configs/tiny.py", "--workdir", workdir, *TINY],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=240,
+        ).returncode
+    assert code == 0, f"reference run failed, see {log.name}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(TRAIN), reason="scripts/train.py not in the tree yet")
+def test_real_trainer_kill_one_of_four_matches_uninterrupted_run(tmp_path, launched):
+    ref = str(tmp_path / "reference")
+    _train_reference(ref)
+    wd = str(tmp_path / "elastic")
+    args = ["--heartbeat-timeout", "5", "--no-readmit", *TINY]
+    run = launched(wd, 4, args, script=TRAIN, xla_flags=FAST_COMPILE)
+    wait_until(lambda: last_metric_step(wd) >= 4, 240, "step 4 of the trainer")
+    t_kill = time.time()
+    os.kill(worker_pid(wd, "local2"), signal.SIGKILL)
+    assert run.wait(300) == 0, run.output()
+    (fail,) = events(wd, "failure")
+    (rec,) = events(wd, "recovery")
+    print(
+        f"real trainer: kill -> detected {fail['time'] - t_kill:.2f} s, first step again "
+        f"{rec['time'] - t_kill:.2f} s; {rec}"
+    )
+    assert fail["hosts"] == ["local2"] and fail["time"] - t_kill < 10
+    assert rec["group_size"] == 3 and rec["restored_step"] % 3 == 0 and rec["lost_steps"] >= 1
+    assert events(wd, "launch")[-1]["hosts"] == ["local0", "local1", "local3"]
+    got, want = metrics_by_step(wd), metrics_by_step(ref)
+    assert sorted(got) == sorted(want) == list(range(1, 11))
+    assert [got[s]["loss"] for s in want] == pytest.approx([want[s]["loss"] for s in want], rel=1e-4, abs=1e-6)
+    (ref_step, ref_params), (step, params) = _final_params([ref, wd])
+    assert ref_step == step == 10
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(ref_params, params, strict=True))
+    print(f"final params: max abs difference {diff:.3g}")
+    assert diff <= 1e-5

@@ -1,0 +1,297 @@
+"""The elastic policy on a fake clock: failures, quarantine, strikes, waiting, re-admission, preemption."""
+
+import pytest
+
+from reve_jax.elastic import policy as P
+
+HOSTS = ["h0", "h1", "h2", "h3"]
+
+
+class Run:
+    """Drives a Policy the way the supervisor does, with a clock the test moves."""
+
+    def __init__(self, hosts=HOSTS, **config):
+        self.policy = P.Policy(hosts, P.PolicyConfig(**config))
+        self.t = 0.0
+        self.actions = self.policy.start(self.t)
+
+    def feed(self, ev) -> list:
+        out = self.policy.step(ev)
+        self.actions += out
+        return out
+
+    def tick(self, dt: float) -> list:
+        self.t += dt
+        return self.feed(P.Tick(self.t))
+
+    @property
+    def group(self):
+        return self.policy.group
+
+    def beat_all(self, step: int, phase: str = "train", where: str = "x.py:1:wait", start: int | None = 0):
+        for h in self.group.hosts:
+            self.feed(P.Beat(self.t, self.group.attempt, h, step, phase, start, where))
+
+    def train(self, steps: int, dt: float = 1.0, start: int = 0):
+        """Every host of the group trains `steps` steps, one beat per step each `dt` s."""
+        first = self.group.max_step if self.group.max_step >= 0 else start
+        self.beat_all(first, "compiling", start=first)
+        for s in range(first + 1, first + steps + 1):
+            self.tick(dt)
+            self.beat_all(s, start=first)
+
+    def exit_all(self, code: int = 0, hosts=None):
+        g = self.group
+        for h in hosts or g.hosts:
+            if g.members[h].exit_code is None:
+                self.feed(P.Exit(self.t, g.attempt, h, code))
+
+    def of(self, kind):
+        return [a for a in self.actions if isinstance(a, kind)]
+
+    def records(self, kind: str) -> list[dict]:
+        return [a.data for a in self.actions if isinstance(a, P.Record) and a.kind == kind]
+
+
+def test_finishes_when_every_process_exits_zero():
+    r = Run()
+    assert r.of(P.Launch) == [P.Launch(0, tuple(HOSTS))]
+    r.train(5)
+    r.exit_all(0)
+    assert r.policy.done == P.Finish("finished", "every process exited 0")
+
+
+def test_failed_exit_quarantines_and_relaunches_on_survivors():
+    r = Run(exit_window=0.5, probe_interval=5.0)
+    r.train(10)
+    r.feed(P.Exit(r.t, 0, "h2", -9))
+    assert not r.of(P.Kill), "exits are collected for exit_window before blaming"
+    r.tick(0.6)
+    assert r.of(P.Kill) == [P.Kill(0, "exit code -9")]
+    assert r.policy.hosts["h2"].status == P.QUARANTINED
+    r.exit_all(-9)  # the kill lands
+    assert r.of(P.Launch)[-1] == P.Launch(1, ("h0", "h1", "h3"))
+    # The new group restores step 8, then trains: the recovery is recorded with its split and the lost steps.
+    r.tick(2.0)
+    r.beat_all(-1, "starting", start=None)
+    r.tick(3.0)
+    r.beat_all(8, "compiling", start=8)
+    r.tick(4.0)
+    r.beat_all(9, start=8)
+    (rec,) = r.records("recovery")
+    assert rec["last_step"] == 10 and rec["restored_step"] == 8 and rec["lost_steps"] == 2
+    assert rec["detection_s"] == pytest.approx(0.6)
+    assert rec["restart_s"] == pytest.approx(2.0)
+    assert rec["restore_s"] == pytest.approx(3.0)
+    assert rec["first_step_s"] == pytest.approx(4.0)
+    assert rec["total_s"] == pytest.approx(9.6)
+
+
+def test_first_exit_is_blamed_not_the_cascade():
+    r = Run()
+    r.train(3)
+    r.feed(P.Exit(r.t, 0, "h1", -9))
+    r.t += 0.2  # peers abort after it within the window: the first one is the cause
+    r.feed(P.Exit(r.t, 0, "h0", -6))
+    r.tick(0.5)
+    assert r.records("quarantine") == [{"host": "h1", "strikes": 1}]
+
+
+def test_every_process_raising_is_no_hosts_fault():
+    r = Run()
+    r.train(3)
+    r.exit_all(1)
+    assert r.records("failure")[0]["hosts"] == []
+    assert all(h.status == P.HEALTHY for h in r.policy.hosts.values())
+    assert r.of(P.Launch)[-1].hosts == tuple(HOSTS)
+
+
+def test_lost_heartbeat_is_a_failure():
+    r = Run(heartbeat_timeout=5.0)
+    r.train(3)
+    g = r.group
+    for _ in range(6):  # h3 stops beating (SIGSTOP), the others go on beating at the same step
+        r.tick(1.0)
+        for h in ("h0", "h1", "h2"):
+            r.feed(P.Beat(r.t, g.attempt, h, 3, "train", 0))
+    (fail,) = r.records("failure")
+    assert fail["hosts"] == ["h3"] and fail["reason"] == "heartbeat lost"
+    assert fail["detection_s"] == pytest.approx(6.0)
+
+
+def test_no_first_beat_within_startup_timeout():
+    r = Run(startup_timeout=30.0, heartbeat_timeout=5.0)
+    for _ in range(31):
+        r.tick(1.0)
+        for h in ("h0", "h1", "h2"):
+            r.feed(P.Beat(r.t, 0, h, -1, "starting"))
+    assert r.records("failure")[0]["hosts"] == ["h3"]
+
+
+def test_hang_blames_the_host_whose_main_thread_is_elsewhere():
+    r = Run(progress_timeout=10.0)
+    r.train(5)
+    g = r.group
+    for _ in range(11):  # beats go on, the step does not: three wait in the collective, h1 is stuck elsewhere
+        r.tick(1.0)
+        for h in g.hosts:
+            where = "data.py:40:read" if h == "h1" else "array.py:9:block_until_ready"
+            r.feed(P.Beat(r.t, g.attempt, h, 5, "train", 0, where))
+    (fail,) = r.records("failure")
+    assert fail["hosts"] == ["h1"]
+
+
+def test_hang_blames_the_host_behind():
+    r = Run(progress_timeout=10.0)
+    r.train(5)
+    g = r.group
+    for _ in range(11):
+        r.tick(1.0)
+        for h in g.hosts:
+            r.feed(P.Beat(r.t, g.attempt, h, 4 if h == "h2" else 5, "train", 0, "x.py:1:f"))
+    assert r.records("failure")[0]["hosts"] == ["h2"]
+
+
+def test_hang_with_no_culprit_restarts_everyone():
+    r = Run(progress_timeout=10.0)
+    r.train(5)
+    for _ in range(11):
+        r.tick(1.0)
+        r.beat_all(5)
+    assert r.records("failure")[0]["hosts"] == []
+    r.exit_all(-9)
+    assert r.of(P.Launch)[-1].hosts == tuple(HOSTS)
+
+
+def test_compiling_gets_the_startup_grace():
+    r = Run(progress_timeout=10.0, startup_timeout=100.0)
+    for _ in range(50):
+        r.tick(1.0)
+        r.beat_all(0, "compiling", start=0)
+    assert not r.records("failure")
+
+
+def test_strikes_exclude_a_host_for_good():
+    r = Run(max_strikes=2, probe_interval=1.0)
+    for round_ in range(2):
+        r.train(2)
+        r.feed(P.Exit(r.t, r.group.attempt, "h0", -9))
+        r.tick(1.0)
+        r.exit_all(-9)
+        if round_ == 0:  # the probe passes: back in, once the running group has trained (it is then stopped)
+            assert [a for a in r.tick(1.0) if isinstance(a, P.Probe)] == [P.Probe("h0")]
+            r.feed(P.ProbeResult(r.t, "h0", True))
+            assert "h0" not in r.group.hosts and not r.of(P.RequestStop)
+            r.train(2)
+            assert r.of(P.RequestStop)[-1].reason == "readmit"
+            r.exit_all(0)
+            assert r.of(P.Launch)[-1].hosts == tuple(HOSTS)
+    assert r.policy.hosts["h0"].status == P.EXCLUDED
+    assert r.records("exclude") == [{"host": "h0", "strikes": 2}]
+    for _ in range(30):
+        assert not [a for a in r.tick(1.0) if isinstance(a, P.Probe)]
+
+
+def test_below_min_hosts_waits_probing_then_trains():
+    r = Run(min_hosts=4, probe_interval=2.0)
+    r.train(3)
+    r.feed(P.Exit(r.t, 0, "h3", -9))
+    r.tick(1.0)
+    r.exit_all(-9)
+    assert r.group is None and r.records("waiting")
+    assert len(r.of(P.Launch)) == 1
+    probes = [a for _ in range(3) for a in r.tick(1.0) if isinstance(a, P.Probe)]
+    assert probes == [P.Probe("h3")]
+    r.feed(P.ProbeResult(r.t, "h3", False))
+    assert r.group is None
+    probes = [a for _ in range(3) for a in r.tick(1.0) if isinstance(a, P.Probe)]
+    r.feed(P.ProbeResult(r.t, "h3", True))
+    assert r.of(P.Launch)[-1] == P.Launch(1, tuple(HOSTS))
+    assert r.records("readmit") == [{"host": "h3", "strikes": 1}]
+
+
+def test_readmit_stops_at_next_checkpoint_and_relaunches_with_host():
+    r = Run(probe_interval=2.0, ckpt_every=10, stop_timeout=30.0)
+    r.train(4)
+    r.feed(P.Exit(r.t, 0, "h2", 1))
+    r.tick(1.0)
+    r.exit_all(-9)
+    r.train(3, start=0)  # on three hosts; the probe is due meanwhile
+    assert r.of(P.Probe) == [P.Probe("h2")] and not r.of(P.RequestStop)
+    r.feed(P.ProbeResult(r.t, "h2", True))
+    assert r.of(P.RequestStop) == [P.RequestStop(1, "readmit")]
+    # The stop deadline allows for reaching the next checkpoint at the measured rate (1 step/s, 7 steps left).
+    assert r.group.deadline == pytest.approx(r.t + 30.0 + 7.0)
+    r.train(2)
+    r.exit_all(0)
+    assert r.of(P.Launch)[-1] == P.Launch(2, tuple(HOSTS))
+    r.train(1, start=5)  # the stop saved step 5
+    (_, readmit) = r.records("recovery")
+    assert readmit["cause"] == "readmit" and readmit["lost_steps"] == 0
+
+
+def test_readmit_skipped_when_group_size_would_not_grow():
+    r = Run(group_sizes=(2, 4), probe_interval=1.0)
+    assert r.of(P.Launch)[-1].hosts == tuple(HOSTS)
+    r.train(2)
+    r.feed(P.Exit(r.t, 0, "h1", -9))
+    r.tick(1.0)
+    r.exit_all(-9)
+    assert r.of(P.Launch)[-1].hosts == ("h0", "h2"), "three hosts left, the largest allowed group is 2"
+    r.train(2)
+    r.feed(P.Exit(r.t, 1, "h2", -9))
+    r.tick(1.0)
+    r.exit_all(-9)
+    assert r.of(P.Launch)[-1].hosts == ("h0", "h3")
+
+
+def test_stop_timeout_kills_without_blame():
+    r = Run(stop_timeout=5.0)
+    r.train(2)
+    r.feed(P.Preempt(r.t))
+    assert r.of(P.RequestStop) == [P.RequestStop(0, "preempt")]
+    for _ in range(6):
+        r.tick(1.0)
+    assert r.of(P.Kill)
+    r.exit_all(-9)
+    assert r.policy.done.status == "preempted"
+    assert all(h.status == P.HEALTHY for h in r.policy.hosts.values())
+
+
+def test_preempt_clean_stop_then_second_signal_kills():
+    r = Run()
+    r.train(2)
+    r.feed(P.Preempt(r.t))
+    r.feed(P.Preempt(r.t))
+    assert r.of(P.Kill) == [P.Kill(0, "second stop request")]
+    r.exit_all(-9)
+    assert r.policy.done.status == "preempted"
+
+
+def test_preempt_clean():
+    r = Run()
+    r.train(2)
+    r.feed(P.Preempt(r.t))
+    r.exit_all(0)
+    assert r.policy.done.status == "preempted"
+    assert r.records("stopped")[0]["reason"] == "preempt"
+
+
+def test_gives_up_on_a_crash_that_repeats():
+    r = Run(max_failures_without_progress=3, max_strikes=100)
+    while not r.policy.done:
+        r.train(2, start=0)
+        r.exit_all(1)
+    assert r.policy.done.status == "failed"
+    # The first failure sets the best step; three more that get no further give up.
+    assert len(r.records("failure")) == 4
+
+
+def test_beats_of_an_old_group_are_ignored():
+    r = Run(heartbeat_timeout=3.0)
+    r.train(2)
+    r.feed(P.Exit(r.t, 0, "h0", -9))
+    r.tick(1.0)
+    r.exit_all(-9)
+    r.feed(P.Beat(r.t, 0, "h1", 50, "train", 0))
+    assert r.group.attempt == 1 and r.group.max_step == -1
