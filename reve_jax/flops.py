@@ -18,10 +18,16 @@ def block_flops(tokens: int, width: int, mlp_hidden: int) -> float:
     return proj + attn + mlp
 
 
-def tower_flops(cfg, width, depth, patch, bottleneck, out_patch, context, routed) -> float:
-    """Forward FLOPs per image of one DiT tower: `context` extra tokens (text, DDT plan) ride in every block."""
+def _pixels(cfg, hw) -> tuple[int, int]:
+    return tuple(hw) if hw is not None else (cfg.data.image_size, cfg.data.image_size)
+
+
+def tower_flops(cfg, width, depth, patch, bottleneck, out_patch, context, routed, hw=None) -> float:
+    """Forward FLOPs per image of one DiT tower: `context` extra tokens (text, DDT plan) ride in every block.
+    `hw` is the image (H, W), default data.image_size squared."""
     m = cfg.model
-    n = (cfg.data.image_size // patch) ** 2
+    h, w = _pixels(cfg, hw)
+    n = (h // patch) * (w // patch)
     hidden = swiglu_hidden(width, m.mlp_ratio, m.mlp_multiple_of)
     start, end = route_span(depth, m.route.start, m.route.end) if routed else (0, 0)
     kept = keep_count(n, m.route.keep_ratio)
@@ -38,23 +44,25 @@ def tower_flops(cfg, width, depth, patch, bottleneck, out_patch, context, routed
     return total + embed + final + text_proj
 
 
-def forward_flops_per_image(cfg, routed: bool | None = None) -> float:
-    """Forward FLOPs per image of the model described by `cfg` (routing as configured unless `routed` is given)."""
+def forward_flops_per_image(cfg, routed: bool | None = None, hw: tuple[int, int] | None = None) -> float:
+    """Forward FLOPs per image of the model described by `cfg` (routing as configured unless `routed` is given)
+    at image size `hw` (H, W; default data.image_size squared)."""
     m, t = cfg.model, cfg.text
     routed = m.route.enabled if routed is None else routed
     text = t.max_len
     text_enc = t.depth * block_flops(text, t.width, swiglu_hidden(t.width, 4.0, 16)) if t.encoder == "builtin" else 0
     if m.arch != "ddt":
-        return text_enc + tower_flops(cfg, m.width, m.depth, m.patch, m.bottleneck, m.patch, text, routed)
+        return text_enc + tower_flops(cfg, m.width, m.depth, m.patch, m.bottleneck, m.patch, text, routed, hw)
     d = m.ddt
-    plan = (cfg.data.image_size // d.enc_patch) ** 2
+    h, w = _pixels(cfg, hw)
+    plan = (h // d.enc_patch) * (w // d.enc_patch)
     enc = tower_flops(
-        cfg, d.enc_width, d.enc_depth, d.enc_patch, m.bottleneck, d.enc_patch // d.enc_downsample, text, False
+        cfg, d.enc_width, d.enc_depth, d.enc_patch, m.bottleneck, d.enc_patch // d.enc_downsample, text, False, hw
     )
-    dec = tower_flops(cfg, m.width, m.depth, m.patch, m.bottleneck, m.patch, text + plan, routed)
+    dec = tower_flops(cfg, m.width, m.depth, m.patch, m.bottleneck, m.patch, text + plan, routed, hw)
     return text_enc + enc + dec + 2 * plan * d.enc_width * m.width
 
 
-def train_flops_per_image(cfg) -> float:
-    """Training FLOPs per image: forward + backward (twice the forward)."""
-    return 3.0 * forward_flops_per_image(cfg)
+def train_flops_per_image(cfg, hw: tuple[int, int] | None = None) -> float:
+    """Training FLOPs per image of size `hw` (default data.image_size squared): forward + backward (2x forward)."""
+    return 3.0 * forward_flops_per_image(cfg, hw=hw)

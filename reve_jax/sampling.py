@@ -58,11 +58,12 @@ def make_sampler(cfg, graphdef, *, steps=None, cfg_scale=None, sampler=None, rou
     return jax.jit(fn)
 
 
-def fixed_noise(cfg, n: int, seed: int | None = None) -> np.ndarray:
-    """The evaluation noise: the same for every checkpoint of a run, so sample grids are comparable."""
-    size = cfg.data.image_size
+def fixed_noise(cfg, n: int, seed: int | None = None, hw: tuple[int, int] | None = None) -> np.ndarray:
+    """The evaluation noise [n, H, W, 3] (`hw`, default data.image_size squared): the same for every checkpoint
+    of a run, so sample grids are comparable."""
+    h, w = hw if hw is not None else (cfg.data.image_size, cfg.data.image_size)
     rng = np.random.default_rng(cfg.sample.seed if seed is None else seed)
-    return (cfg.diffusion.noise_scale * rng.standard_normal((n, size, size, 3))).astype(np.float32)
+    return (cfg.diffusion.noise_scale * rng.standard_normal((n, h, w, 3))).astype(np.float32)
 
 
 def render_from_checkpoint(

@@ -50,9 +50,23 @@ class _StopFlag:
 
 
 def _sample_prompts(cfg, dataset, n: int) -> tuple[list[str], dict]:
-    """Captions for the sample grid: the last `n` indices of the dataset (fixed for the whole run)."""
-    captions = pipeline.captions_of(dataset, np.arange(dataset.num_samples - n, dataset.num_samples))
-    return captions, sampling.encode_prompts(captions, cfg.text.max_len)
+    """Captions and text inputs for the sample grid: the last `n` samples of the first stage's dataset (fixed
+    for the whole run); precomputed embeddings come from the records."""
+    idx = np.arange(dataset.num_samples - n, dataset.num_samples)
+    text = pipeline.text_inputs_of(dataset, idx, cfg.text.max_len, cfg.text.encoder == "precomputed")
+    return pipeline.captions_of(dataset, idx), text
+
+
+def _check_shapes(cfg, shapes) -> None:
+    """Every batch shape the data can produce must tile into patches (and DDT's coarse patches)."""
+    patches = [cfg.model.patch] + ([cfg.model.ddt.enc_patch] if cfg.model.arch == "ddt" else [])
+    for h, w in shapes:
+        for p in patches:
+            if h % p or w % p:
+                raise ValueError(
+                    f"the data gives {h}x{w} images, not divisible by the patch size {p}: prepare the shards "
+                    "with --patch matching model.patch (and the DDT encoder patch)"
+                )
 
 
 def run(cfg, workdir: str | Path, worker=None) -> dict:
@@ -103,36 +117,53 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
 
     # ---------------------------------------------------------------- Input
     data_iter = pipeline.make_batch_iterator(
-        cfg.data, cfg.text.max_len, tr.global_batch, jax.process_index(), jax.process_count(), position
+        cfg.data,
+        cfg.text.max_len,
+        tr.global_batch,
+        jax.process_index(),
+        jax.process_count(),
+        position,
+        text_cfg=cfg.text,
     )
-    dataset = pipeline.dataset_from_config(cfg.data)
+    stages = pipeline.make_stages(cfg.data, tr.global_batch)
+    _check_shapes(cfg, pipeline.image_shapes(stages))
+    dataset = stages[0].dataset
     sample_fn = sampling.make_sampler(cfg, setup.graphdef)
     n_samples = cfg.sample.num
     captions, sample_text = _sample_prompts(cfg, dataset, n_samples)
-    sample_noise = sampling.fixed_noise(cfg, n_samples)
 
     # ---------------------------------------------------------------- Compile
-    first = next(data_iter)
     batch_keys = ("image", "tokens", "text_emb", "text_mask")
     device_batch = lambda local: sharding.global_batch_from_local(  # noqa: E731
         {k: v for k, v in local.items() if k in batch_keys}, mesh, tr.global_batch
     )
-    batch0 = device_batch(first)
-    step_fn = train_state.jit_train_step(setup, jax.tree.map(lambda a: a.sharding, batch0))
-    beat(start_step, "compiling")
-    t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
-        compiled = step_fn.lower(state, batch0, setup.frozen.states).compile()
-    compile_s = time.perf_counter() - t0
-    mem = compiled.memory_analysis()
-    if mem is not None and is_main:
-        log.info(
-            "compiled train step in %.1fs; per-device temp %.1f MiB, args %.1f MiB",
-            compile_s,
-            mem.temp_size_in_bytes / 2**20,
-            mem.argument_size_in_bytes / 2**20,
-        )
-    flops_per_step = flops.train_flops_per_image(cfg) * tr.global_batch
+    batch = device_batch(next(data_iter))
+    step_fn = train_state.jit_train_step(setup, jax.tree.map(lambda a: a.sharding, batch))
+    executables = {}  # image (H, W) -> compiled step: one per resolution stage or aspect bucket
+    compile_s = 0.0
+
+    def executable(batch, step_now: int):
+        nonlocal compile_s
+        hw = tuple(batch["image"].shape[1:3])
+        if hw not in executables:
+            beat(step_now, "compiling")
+            t0 = time.perf_counter()
+            with jax.set_mesh(mesh):
+                executables[hw] = step_fn.lower(state, batch, setup.frozen.states).compile()
+            took = time.perf_counter() - t0
+            compile_s += took
+            mem = executables[hw].memory_analysis()
+            if mem is not None and is_main:
+                log.info(
+                    "compiled the train step for %dx%d images in %.1fs; per-device temp %.1f MiB, args %.1f MiB",
+                    *hw,
+                    took,
+                    mem.temp_size_in_bytes / 2**20,
+                    mem.argument_size_in_bytes / 2**20,
+                )
+        return executables[hw], hw
+
+    executable(batch, start_step)
     peak, peak_src = metrics.peak_tflops(tr.peak_tflops)
     peak_total = peak * jax.device_count()
 
@@ -142,9 +173,8 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
     stop.install()
     progress = _progress(is_main, start_step, tr.steps)
     step = start_step
-    batch = batch0
     t_last, steps_since = time.perf_counter(), 0
-    data_wait = 0.0
+    data_wait, flops_since = 0.0, 0.0
     reason = "finished"
 
     def save(step_now: int, wait: bool = False):
@@ -165,8 +195,10 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
     def render(step_now: int):
         beat(step_now, "sampling")
         params = state["ema"]["ema0"] if cfg.sample.use_ema else state["params"]
+        # Sample at the current stage's resolution (its square size under aspect buckets).
+        noise = sampling.fixed_noise(cfg, n_samples, hw=pipeline.batch_image_shape(stages, max(step_now - 1, 0)))
         with jax.set_mesh(mesh):
-            imgs = sample_fn(params, sample_text, sample_noise, jax.random.key(cfg.sample.seed))
+            imgs = sample_fn(params, sample_text, noise, jax.random.key(cfg.sample.seed))
         imgs = np.asarray(jax.device_get(imgs))
         if is_main:
             (workdir / "samples").mkdir(exist_ok=True)
@@ -174,8 +206,10 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
 
     try:
         while step < tr.steps:
+            compiled, hw = executable(batch, step)
             with jax.set_mesh(mesh):
                 state, m = compiled(state, batch, setup.frozen.states)
+            flops_since += flops.train_flops_per_image(cfg, hw) * tr.global_batch
             step += 1
             steps_since += 1
             t_data = time.perf_counter()
@@ -197,7 +231,7 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
                 if at_log:
                     dt = time.perf_counter() - t_last
                     ips = steps_since * tr.global_batch / dt
-                    tflops = steps_since * flops_per_step / dt / 1e12
+                    tflops = flops_since / dt / 1e12
                     record = dict(
                         values,
                         step_time=dt / steps_since,
@@ -209,7 +243,7 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
                     )
                     writer.write(step, record)
                     progress.set_postfix(loss=f"{values['loss']:.4f}", ips=f"{ips:.0f}")
-                    t_last, steps_since, data_wait = time.perf_counter(), 0, 0.0
+                    t_last, steps_since, data_wait, flops_since = time.perf_counter(), 0, 0.0, 0.0
             if tr.sample_every and step % tr.sample_every == 0 and step < tr.steps:
                 render(step)
             if at_ckpt:
@@ -234,6 +268,7 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
         "reason": reason,
         "step": step,
         "start_step": start_step,
+        "compiled_shapes": sorted(executables),
         "compile_s": compile_s,
         "peak_tflops_source": peak_src,
     }

@@ -1,0 +1,104 @@
+"""Prepare image-caption data as ArrayRecord shards for training (data.name=shards; docs/data.md).
+
+    # a folder of images with <name>.txt captions (or a captions.jsonl), 256 px center crops, MiniLM embeddings
+    python scripts/prepare_data.py folder /data/photos --out /data/shards256 --resolution 256 --encoder minilm
+
+    # WebDataset tars, aspect buckets with the token budget of 512 px at patch 16
+    python scripts/prepare_data.py webdataset /data/wds/*.tar --out /data/shards512 --resolution 512 \
+        --buckets --patch 16 --bucket-multiple 64 --image-format jpeg
+
+    # the synthetic shapes with real frozen embeddings, then train on them
+    python scripts/prepare_data.py synthetic --num 100000 --image-size 32 --out /data/synth32 --encoder minilm \
+        --max-len 32
+    python scripts/train.py --config configs/tiny.py --workdir runs/synth_minilm --config.data.name=shards \
+        --config.data.path=/data/synth32 --config.text.encoder=precomputed --config.text.emb_dim=384
+
+Rerunning the same command resumes an interrupted run (finished shards are kept). Bad images and missing
+captions are skipped and listed in <out>/manifest.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+# Run as `python scripts/prepare_data.py` from a checkout: make the package importable without installing.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from reve_jax.data import buckets, prepare  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Parses argv, prepares the shards, prints the summary and returns the manifest."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="kind", required=True)
+    folder = sub.add_parser("folder", help="images with <name>.txt captions or a captions.jsonl")
+    folder.add_argument("src", help="image folder (searched recursively)")
+    wds = sub.add_parser("webdataset", help="WebDataset tar shards (<key>.jpg + <key>.txt or .json)")
+    wds.add_argument("tars", nargs="+", help="tar files, one output shard each")
+    syn = sub.add_parser("synthetic", help="the procedural captioned shapes (reve_jax.data.synthetic)")
+    syn.add_argument("--num", type=int, required=True, help="samples 0..num-1")
+    syn.add_argument("--image-size", type=int, default=32)
+    syn.add_argument("--max-objects", type=int, default=3)
+    syn.add_argument("--seed", type=int, default=0, help="the synthetic content seed (data.seed)")
+    for p in (folder, wds, syn):
+        p.add_argument("--out", required=True, help="output shard directory")
+        p.add_argument("--shard-size", type=int, default=1000, help="images per shard (folder, synthetic)")
+        p.add_argument("--image-format", choices=("raw", "png", "jpeg"), default="raw")
+        p.add_argument("--jpeg-quality", type=int, default=95)
+        p.add_argument("--encoder", choices=("none", "minilm", "t5", "t5gemma", "qwen"), default="none")
+        p.add_argument("--encoder-path", default=None, help="local weights directory (default for minilm: packaged)")
+        p.add_argument("--max-len", type=int, default=64, help="text tokens per caption, padding at the end")
+        p.add_argument("--emb-dtype", choices=("float32", "float16"), default="float32")
+        p.add_argument("--encode-batch", type=int, default=32, help="captions per encoder call")
+        p.add_argument("--workers", type=int, default=None, help="decode processes (default: all cores; 0: none)")
+        p.add_argument("--overwrite", action="store_true", help="start over instead of resuming")
+        p.add_argument("--no-progress", action="store_true")
+    for p in (folder, wds):
+        p.add_argument("--resolution", type=int, required=True, help="square side, or the bucket token budget")
+        p.add_argument("--min-side", type=int, default=0, help="skip smaller images (default: resolution/2)")
+        p.add_argument("--buckets", action="store_true", help="aspect-ratio buckets instead of center crops")
+        p.add_argument("--patch", type=int, default=16, help="model patch size (sets the bucket token budget)")
+        p.add_argument("--bucket-multiple", type=int, default=None, help="bucket sides multiple of (default: patch)")
+        p.add_argument("--aspect-ratios", default=",".join(buckets.DEFAULT_RATIOS), help="W:H list for buckets")
+    args = parser.parse_args(argv)
+
+    if args.kind == "synthetic":
+        source = prepare.SyntheticSource(args.num, args.image_size, args.max_objects, args.seed, args.shard_size)
+        spec = prepare.ImageSpec(args.image_size, image_format=args.image_format, jpeg_quality=args.jpeg_quality)
+    else:
+        if args.kind == "folder":
+            source = prepare.FolderSource(args.src, args.shard_size)
+        else:
+            source = prepare.WebDatasetSource(args.tars)
+        bucket_list = (
+            buckets.make_buckets(args.resolution, args.patch, args.aspect_ratios.split(","), args.bucket_multiple)
+            if args.buckets
+            else ()
+        )
+        spec = prepare.ImageSpec(
+            args.resolution, bucket_list, args.image_format, args.jpeg_quality, min_side=args.min_side
+        )
+    encoder = None
+    if args.encoder != "none":
+        from reve_jax.text_encoders import load_encoder
+
+        encoder = load_encoder(args.encoder, args.encoder_path, args.max_len, args.encode_batch)
+    manifest = prepare.prepare(
+        source,
+        args.out,
+        spec,
+        encoder=encoder,
+        emb_dtype=args.emb_dtype,
+        encode_batch=args.encode_batch,
+        workers=args.workers,
+        overwrite=args.overwrite,
+        progress=not args.no_progress,
+    )
+    print(prepare.summary_text(manifest))
+    return manifest
+
+
+if __name__ == "__main__":
+    main()
