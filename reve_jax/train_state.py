@@ -143,8 +143,8 @@ def make_loss_fn(setup: Setup):
 
 
 def make_train_step(setup: Setup):
-    """The pure step (state, batch, frozen) -> (state, metrics); `frozen` = setup.frozen.states. Gradient accumulation splits the global batch into
-    `train.grad_accum` micro-batches (same global batch, less memory)."""
+    """The pure step (state, batch, frozen) -> (state, metrics); `frozen` = setup.frozen.states. Gradient
+    accumulation splits the global batch into `train.grad_accum` micro-batches (same global batch, less memory)."""
     cfg = setup.cfg
     accum = cfg.train.grad_accum
     loss_fn = make_loss_fn(setup)
