@@ -42,7 +42,7 @@ def get_config() -> ml_collections.ConfigDict:
     m.dtype = "bfloat16"  # compute dtype; params stay in param_dtype
     m.param_dtype = "float32"
     m.attention = "auto"  # auto (cudnn on GPU, xla elsewhere) | xla | cudnn
-    m.remat = "none"  # none | block (rematerialise each block in the backward pass)
+    m.remat = "none"  # none | block (recompute each block in the backward pass) | dots (keep matmul outputs only)
     m.scan_layers = False  # reserved: layers unrolled (scan lowers compile time on very deep models)
     # TREAD token routing (training only): a random keep_ratio of image tokens go through blocks [start, end).
     m.route = ml_collections.ConfigDict()
@@ -146,7 +146,7 @@ def get_config() -> ml_collections.ConfigDict:
     tr.ckpt_async = True
     tr.stop_on_nan = True
     tr.peak_tflops = 0.0  # device peak for MFU; 0 = 989 on H100/H200, a measured matmul peak on CPU
-    tr.compile_cache = ""  # persistent XLA compilation cache directory ("" = <workdir>/../.jax_cache off)
+    tr.compile_cache = ""  # persistent XLA compilation cache directory ("" = off, or $JAX_COMPILATION_CACHE_DIR)
     tr.profile = False
 
     c.sample = s = ml_collections.ConfigDict()

@@ -20,7 +20,7 @@ import ml_collections
 CHOICES = {
     "model.arch": ("dit", "ddt"),
     "model.attention": ("auto", "xla", "cudnn"),
-    "model.remat": ("none", "block"),
+    "model.remat": ("none", "block", "dots"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.param_dtype": ("float32", "bfloat16"),
     "text.encoder": ("builtin", "precomputed"),

@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from reve_jax import checkpoint, config, flops, metrics, optim, sampling, sharding, train_state, viz
+from reve_jax import checkpoint, config, flops, metrics, optim, sampling, sharding, train_state, viz, xla
 from reve_jax.data import pipeline
 from reve_jax.elastic.worker import any_process
 
@@ -69,6 +69,46 @@ def _check_shapes(cfg, shapes) -> None:
                 )
 
 
+# Config keys that decide the train state's structure and shapes: a checkpoint written under other values cannot
+# be restored, and must not be mistaken for a corrupt one.
+STATE_KEYS = (
+    "model",
+    "text",
+    "optim.name",
+    "optim.muon_patterns",
+    "ema.decays",
+    "loss.repa_weight",
+    "loss.repa_dim",
+    "loss.repa_hidden",
+)
+
+
+def _flatten(node, prefix=""):
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: node}
+
+
+def check_compatible(cfg, saved_json: str) -> None:
+    """Raise CheckpointError naming the differing keys when a workdir's checkpoints were written with a config
+    whose train state has another structure (another model size, optimizer, EMA count)."""
+    now = _flatten(json.loads(config.to_json(cfg)))
+    then = _flatten(json.loads(saved_json))
+    differ = sorted(
+        k for k in set(now) | set(then)
+        if any(k == p or k.startswith(p + ".") for p in STATE_KEYS) and now.get(k) != then.get(k)
+    )  # fmt: skip
+    if differ:
+        detail = ", ".join(f"{k}: saved {then.get(k)!r}, now {now.get(k)!r}" for k in differ[:6])
+        raise checkpoint.CheckpointError(
+            f"the checkpoints in this workdir were written by a different model or optimizer ({detail}). "
+            "Resume with the same config, or train in a new --workdir; nothing was changed."
+        )
+
+
 def run(cfg, workdir: str | Path, worker=None) -> dict:
     """Train `cfg` in `workdir` until `train.steps` or a stop request. `worker` is the elastic worker context
     (heartbeats and group stop requests); None for a plain run. Returns a summary dict."""
@@ -76,9 +116,10 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
     is_main = jax.process_index() == 0
     if is_main:
         workdir.mkdir(parents=True, exist_ok=True)
-        (workdir / "config.json").write_text(config.to_json(cfg))
     beat = worker.beat if worker is not None else (lambda step, phase="train": None)
     beat(0, "starting")
+    if cfg.train.compile_cache:
+        xla.enable_compile_cache(cfg.train.compile_cache)
 
     # ---------------------------------------------------------------- Mesh
     mesh = sharding.make_mesh(cfg.mesh)
@@ -100,6 +141,13 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
         )
     ckpt = checkpoint.Checkpointer(workdir, keep=tr.ckpt_keep, async_save=tr.ckpt_async)
     beat(0, "restoring")
+    if ckpt.steps():
+        try:
+            saved = ckpt.restore_meta(ckpt.steps()[-1])["config"]
+        except Exception:  # unreadable metadata: restore_latest below sets the step aside and falls back
+            saved = None
+        if saved is not None:
+            check_compatible(cfg, saved)
     restored = ckpt.restore_latest(setup.abstract_state)
     if restored is None:
         state, position = train_state.init_state(setup), 0
@@ -108,6 +156,8 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
         state, meta = restored
         position = int(meta["data_position"])
         log.info("resumed from step %d (data position %d)", meta["step"], position)
+    if is_main:  # written only once the workdir is known to hold this run (or nothing)
+        (workdir / "config.json").write_text(config.to_json(cfg))
     start_step = int(jax.device_get(state["step"]))
     if position != start_step * tr.global_batch:
         raise checkpoint.CheckpointError(

@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+from reve_jax import flops
 from reve_jax.config import ConfigError, apply_override, load_config
 from reve_jax.sharding import MeshError, make_mesh, mesh_shape
 
@@ -24,7 +25,8 @@ def test_named_sizes_match_the_recipe():
     assert (jit_b.data.image_size, jit_b.model.bottleneck) == (256, 128)
     prx = load_config("configs/prx_1b.py")
     assert (prx.model.width, prx.model.depth, prx.model.heads, prx.model.patch) == (1792, 16, 28, 32)
-    assert (prx.model.bottleneck, prx.data.image_size, prx.model.mlp_ratio) == (256, 512, 3.5)
+    assert (prx.model.bottleneck, prx.data.image_size) == (256, 512)
+    assert flops.swiglu_hidden(1792, prx.model.mlp_ratio, prx.model.mlp_multiple_of) == 6272  # 3.5 x width
 
 
 def test_override_sets_typed_value():

@@ -14,7 +14,7 @@ import pytest
 from util import TINY, tiny_config
 
 from reve_jax import sharding, train_state, trainer
-from reve_jax.checkpoint import Checkpointer
+from reve_jax.checkpoint import Checkpointer, CheckpointError
 from reve_jax.data import pipeline
 
 
@@ -145,3 +145,15 @@ def test_train_script_end_to_end_with_sigterm_and_resume(tmp_path):
     )  # fmt: skip
     assert sampled.returncode == 0, sampled.stderr[-3000:]
     assert out.exists() and out.stat().st_size > 1000
+
+
+def test_resuming_with_another_model_is_refused_and_keeps_the_checkpoints(tmp_path):
+    cfg = tiny_config("train.steps=2")
+    trainer.run(cfg, tmp_path)
+    before = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    wider = tiny_config("train.steps=4", "model.width=64")
+    with pytest.raises(CheckpointError, match="model.width: saved 32, now 64"):
+        trainer.run(wider, tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
+    assert not (tmp_path / "checkpoints_corrupt").exists()
+    trainer.check_compatible(tiny_config("optim.lr=1e-5"), (tmp_path / "config.json").read_text())  # lr may change

@@ -31,6 +31,16 @@ def _dtype(name: str):
     return jnp.dtype(name)
 
 
+def _block_call(remat: str):
+    """How a block is applied: directly, rematerialised whole, or keeping only matmul outputs (no batch dims)."""
+    call = lambda blk, *a: blk(*a)  # noqa: E731
+    if remat == "block":
+        return nnx.remat(call)
+    if remat == "dots":
+        return nnx.remat(call, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    return call
+
+
 class DiTBlock(nnx.Module):
     """adaLN-Zero transformer block: the conditioning vector sets shift/scale/gate of both sub-layers; the gates
     start at zero so every block starts as the identity."""
@@ -174,7 +184,7 @@ class DiT(nnx.Module):
         idx = jnp.broadcast_to(jnp.arange(n)[None], (b, n))
         full_img, angles = None, angles_for(pos)
         aux = {}
-        block_fn = nnx.remat(lambda blk, *a: blk(*a)) if self.remat == "block" else (lambda blk, *a: blk(*a))
+        block_fn = _block_call(self.remat)
         for i, block in enumerate(self.blocks):
             if routed and i == self.route_start:
                 keep = routing.keep_count(n, self.route_keep_ratio)

@@ -1,0 +1,1 @@
+"""Benchmarks: throughput and MFU of the train step (throughput.py), with the reference PyTorch DiT as a peer."""

@@ -1,0 +1,16 @@
+"""Throughput and MFU of the train step, optionally beside the reference PyTorch DiT (logic in
+reve_jax/bench/throughput.py; results and method in docs/performance.md).
+
+    python scripts/bench_throughput.py --preset dit-xl2 --batch 256 --tread both --peer
+    python scripts/bench_throughput.py --preset tiny --steps 2 --config.model.dtype=float32   # CPU smoke run
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from reve_jax.bench import throughput  # noqa: E402
+
+if __name__ == "__main__":
+    throughput.main()

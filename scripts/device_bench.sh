@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# Every GPU measurement of docs/performance.md in one call of the device tool (one H200), most important first.
+# Each row is its own process (clean peak-memory counter, its own XLA_FLAGS); a row that would pass the budget is
+# skipped, and the table of whatever ran is printed last. Full rows: $OUT/results.jsonl, logs: $OUT/log.txt.
+#
+# Before the call, here: .whl/ holds shared/device/wheels/*.whl and .ref/ the reference DiT's models.py
+# (docs/performance.md says how); both folders are git-ignored and never committed. Then:
+#   run(command="bash scripts/device_bench.sh core", carry=[".whl", ".ref"], timeout_s=330)
+#   run(command="bash scripts/device_bench.sh extra", carry=[".whl", ".ref"], timeout_s=330)
+# core:  attention check + XL/2 TREAD off; torch DiT-XL/2; XL/2 TREAD on; B/2 off+on (+ckpt); torch DiT-B/2.
+# extra: PRX-1B off+on; XL/2 with q,k,v as three GEMMs (before this work); XL/2 with XLA attention; XL/2 with each
+#        XLA flag tried; XL/2 checkpoint blocking; XL/2 again (a compilation-cache hit).
+# SMOKE=1 runs the same sequence with the tiny preset on this machine's CPU (checks the script, not the GPU).
+set -u
+phase=${1:-core}
+OUT=${OUT:-/tmp/reve_device_bench}
+mkdir -p "$OUT"
+budget=${BUDGET_S:-300}
+deadline=$((SECONDS + budget))
+log=$OUT/log.txt
+res=$OUT/results.jsonl
+
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && [ -z "${SMOKE:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONUNBUFFERED=1
+base_flags=${XLA_FLAGS:-}
+
+if [ -n "${SMOKE:-}" ]; then
+  XL=tiny B=tiny PRX=tiny batch=16
+  common=(--steps 2 --repeats 1 --warmup 1 --data-steps 2 --compile-cache /tmp/reve_smoke_cache)
+else
+  XL=dit-xl2 B=dit-b2 PRX=prx-1b batch=256
+  common=(--steps 5 --repeats 3 --warmup 2 --data-steps 5 --compile-cache /tmp/reve_jax_cache)
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,power.limit,memory.used --format=csv >"$OUT/gpu.txt" 2>&1
+fi
+
+# bench SECONDS_CAP LABEL ARGS...: one benchmark process, cut at the cap or the deadline.
+bench() {
+  local cap=$1 label=$2
+  shift 2
+  local left=$((deadline - SECONDS - 15))
+  if [ "$left" -lt 40 ]; then
+    echo "[skip, budget] $label" | tee -a "$log"
+    return
+  fi
+  [ "$left" -lt "$cap" ] && cap=$left
+  echo "=== $label (cap ${cap}s, at ${SECONDS}s) XLA_FLAGS='${XLA_FLAGS:-}'" | tee -a "$log"
+  timeout "$cap" python3 scripts/bench_throughput.py "${common[@]}" --json "$res" --label "$label" \
+    --peer-timeout $((cap - 10)) "$@" >>"$log" 2>&1
+  local rc=$?
+  if [ $rc -ne 0 ]; then
+    echo "[failed rc=$rc] $label" | tee -a "$log"
+  else
+    grep -E "^\| " "$log" | tail -n 1
+  fi
+}
+
+case $phase in
+core)
+  bench 150 "" --preset "$XL" --batch "$batch" --tread off --ckpt off --check-attention
+  bench 160 "" --preset "$XL" --batch "$batch" --ours off --peer --ckpt off --data-steps 0
+  bench 120 "" --preset "$XL" --batch "$batch" --tread on --ckpt off
+  bench 120 "" --preset "$B" --batch "$batch" --tread both --ckpt on
+  bench 100 "" --preset "$B" --batch "$batch" --ours off --peer --ckpt off --data-steps 0
+  ;;
+extra)
+  bench 120 "" --preset "$PRX" --batch "$((batch / 2))" --tread both --ckpt off
+  # Before this work: q, k, v and gate, up as separate GEMMs, in a copy of the tree whose layers.py has the two
+  # stacked projections swapped back (nothing else differs).
+  rm -rf /tmp/reve_unfused && mkdir -p /tmp/reve_unfused
+  tar --exclude=.whl --exclude=.git -cf - . | tar -C /tmp/reve_unfused -xf -
+  if python3 - /tmp/reve_unfused/reve_jax/model/layers.py <<'PY'; then
+import sys
+path = sys.argv[1]
+text = open(path).read()
+swaps = {
+    """        qkv = stacked_projection(x, (self.q, self.k, self.v))  # [B, S, 3, W]
+        qkv = checkpoint_name(qkv.reshape(b, s, 3, self.heads, self.head_dim), "attn_qkv")
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+""": """        shape = (b, s, self.heads, self.head_dim)
+        q, k, v = self.q(x).reshape(shape), self.k(x).reshape(shape), self.v(x).reshape(shape)
+""",
+    """        gate_up = checkpoint_name(stacked_projection(x, (self.gate, self.up)), "mlp_gate_up")  # [..., 2, hidden]
+        return self.down(jax.nn.silu(gate_up[..., 0, :]) * gate_up[..., 1, :])
+""": """        return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+""",
+}
+for old, new in swaps.items():
+    if old not in text:
+        sys.exit("layers.py changed: update the unfused swap in scripts/device_bench.sh")
+    text = text.replace(old, new)
+open(path, "w").write(text)
+PY
+    (cd /tmp/reve_unfused && PYTHONPATH=/tmp/site:$PWD bench 100 "3 GEMMs" --preset "$XL" --batch "$batch" --ckpt off)
+  fi
+  bench 100 "attn xla" --preset "$XL" --batch "$batch" --ckpt off --config.model.attention=xla
+  XLA_FLAGS="$base_flags --xla_gpu_enable_latency_hiding_scheduler=true" \
+    bench 100 "LHS" --preset "$XL" --batch "$batch" --ckpt off --data-steps 0
+  XLA_FLAGS="$base_flags --xla_gpu_enable_command_buffer=" \
+    bench 100 "no cmd buf" --preset "$XL" --batch "$batch" --ckpt off --data-steps 0
+  bench 120 "ckpt" --preset "$XL" --batch "$batch" --ckpt on --data-steps 0
+  # The same program as the row above: its compile time is a persistent-cache hit.
+  bench 60 "cache hit" --preset "$XL" --batch "$batch" --ckpt off --data-steps 0
+  ;;
+*)
+  echo "usage: $0 core|extra" >&2
+  exit 2
+  ;;
+esac
+
+grep -E "attention check|cuDNN|cudnn" "$log" | cut -c1-400 | tail -n 4
+python3 scripts/bench_throughput.py --table-from "$res"
