@@ -19,6 +19,10 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from reve_jax.elastic import events as events_file  # noqa: E402
+
 TINY = [
     "--config.model.depth=1", "--config.model.width=32", "--config.model.heads=2", "--config.text.width=32",
     "--config.text.depth=1", "--config.text.heads=2", "--config.data.image_size=16",
@@ -30,15 +34,7 @@ TINY = [
 
 def read_events(workdir: str) -> list[dict]:
     path = os.path.join(workdir, "events.jsonl")
-    out = []
-    if os.path.exists(path):
-        with open(path) as f:
-            for line in f:
-                try:
-                    out.append(json.loads(line))
-                except ValueError:
-                    continue
-    return out
+    return events_file.read_events(path) if os.path.exists(path) else []
 
 
 def newest_step(workdir: str) -> int:

@@ -16,6 +16,8 @@ import time
 import numpy as np
 import pytest
 
+from reve_jax.elastic.events import read_events
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAKE = os.path.join(ROOT, "tests", "elastic_fake_worker.py")
 
@@ -79,15 +81,7 @@ def _runs_in(pid: int, workdir: str) -> bool:
 
 def events(workdir: str, kind: str | None = None) -> list[dict]:
     path = os.path.join(workdir, "events.jsonl")
-    if not os.path.exists(path):
-        return []
-    out = []
-    with open(path) as f:
-        for line in f:
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
+    out = read_events(path) if os.path.exists(path) else []
     return [r for r in out if kind is None or r["event"] == kind]
 
 
