@@ -190,6 +190,7 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
     batch = device_batch(next(data_iter))
     step_fn = train_state.jit_train_step(setup, jax.tree.map(lambda a: a.sharding, batch))
     executables = {}  # image (H, W) -> compiled step: one per resolution stage or aspect bucket
+    step_flops = {}  # image (H, W) -> training FLOPs of one step
     compile_s = 0.0
 
     def executable(batch, step_now: int):
@@ -200,6 +201,7 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
             t0 = time.perf_counter()
             with jax.set_mesh(mesh):
                 executables[hw] = step_fn.lower(state, batch, setup.frozen.states).compile()
+            step_flops[hw] = flops.train_flops_per_image(cfg, hw) * tr.global_batch
             took = time.perf_counter() - t0
             compile_s += took
             mem = executables[hw].memory_analysis()
@@ -211,7 +213,7 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
                     mem.temp_size_in_bytes / 2**20,
                     mem.argument_size_in_bytes / 2**20,
                 )
-        return executables[hw], hw
+        return executables[hw], step_flops[hw]
 
     executable(batch, start_step)
     peak, peak_src = metrics.peak_tflops(tr.peak_tflops)
@@ -256,10 +258,10 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
 
     try:
         while step < tr.steps:
-            compiled, hw = executable(batch, step)
+            compiled, flops_per_step = executable(batch, step)
             with jax.set_mesh(mesh):
                 state, m = compiled(state, batch, setup.frozen.states)
-            flops_since += flops.train_flops_per_image(cfg, hw) * tr.global_batch
+            flops_since += flops_per_step
             step += 1
             steps_since += 1
             t_data = time.perf_counter()
