@@ -1,0 +1,72 @@
+"""The speedup benchmark: the full recipe and each single technique against a DiT baseline with its own tuned,
+fully decayed LR, in steps, samples, FLOPs and wall clock to first reach the baseline's final caption alignment.
+
+    python scripts/bench_speedup.py --size cpu --out runs/speedup_cpu      # about 20 minutes on 2 idle CPU cores
+    python scripts/bench_speedup.py --size gpu --out runs/speedup_gpu      # sized for about 8 minutes on one H200
+    python scripts/bench_speedup.py --size gpu --quick --out runs/gpu_chk  # the gpu size's code path, shrunk
+
+Writes <out>/speedup.md (tables), <out>/speedup.png (quality against wall clock and steps), <out>/results.json and
+one JSON per run in <out>/runs/ (finished runs are reused when started again). See reve_jax/eval/speedup.py.
+"""
+
+import argparse
+import dataclasses
+import logging
+import os
+import platform
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from reve_jax.eval import speedup  # noqa: E402
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", choices=sorted(speedup.SIZES), default="cpu")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--methods", help="comma-separated methods (default: the size's: recipe and each technique)")
+    p.add_argument("--seeds", help="comma-separated seeds (default: the size's)")
+    p.add_argument("--lrs", help="comma-separated baseline LR sweep (default: the size's)")
+    p.add_argument("--steps", type=int, help="training steps per run (default: the size's)")
+    p.add_argument("--eval-every", type=int, help="evaluation cadence in steps (default: the size's)")
+    p.add_argument("--n-eval", type=int, help="held-out captions per evaluation (default: the size's)")
+    p.add_argument("--quick", action="store_true", help="4 steps of batch 8, one seed, two LRs: checks the code path")
+    p.add_argument("--dinov2", help="converted DINOv2 .npz: adds FD-DINOv2 (scripts/convert_weights.py)")
+    p.add_argument("--cache", help="feature-net and compilation cache directory (default: <out>/cache)")
+    p.add_argument("--config", action="append", default=[], help="extra override for every run, a.b=value")
+    args = p.parse_args(argv)
+
+    size = speedup.SIZES[args.size]
+    extra = [x.removeprefix("--").removeprefix("config.") for x in args.config]
+    if args.quick:  # the size's model and code path, a few steps of a small batch
+        size = dataclasses.replace(size, steps=4, eval_every=2, n_eval=8, seeds=size.seeds[:1], lrs=size.lrs[:2])
+        extra = ["train.global_batch=8", "data.worker_threads=1", *extra]
+    changes = {
+        "methods": tuple(args.methods.split(",")) if args.methods else None,
+        "seeds": tuple(int(s) for s in args.seeds.split(",")) if args.seeds else None,
+        "lrs": tuple(float(x) for x in args.lrs.split(",")) if args.lrs else None,
+        "steps": args.steps,
+        "eval_every": args.eval_every,
+        "n_eval": args.n_eval,
+    }
+    size = dataclasses.replace(size, **{k: v for k, v in changes.items() if v is not None})
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
+    out = Path(args.out)
+    speedup.enable_compile_cache(Path(args.cache or out / "cache") / "xla")
+    print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", flush=True)
+    results = speedup.run_benchmark(
+        size,
+        out,
+        extra=tuple(extra),
+        cache_dir=args.cache,
+        dinov2_path=args.dinov2,
+        log=lambda s: print(s, flush=True),
+    )
+    print((out / "speedup.md").read_text())
+    print(f"best baseline LR {results['best_lr']:g}; wrote {out / 'speedup.md'}, {out / 'speedup.png'}")
+
+
+if __name__ == "__main__":
+    main()

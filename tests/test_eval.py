@@ -1,0 +1,326 @@
+"""The quality metrics (caption alignment, Fréchet distance, held-out v-loss, `evaluate`) and the speedup
+benchmark's analysis, on cases with known answers."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.linalg
+from scipy.ndimage import gaussian_filter
+from util import tiny_config
+
+from reve_jax import train_state
+from reve_jax.data import synthetic
+from reve_jax.eval import alignment, features, quality, report, speedup, vloss
+
+# ------------------------------------------------------------------------------------------ caption alignment
+
+
+def _dataset(size=32, n=48, max_objects=3):
+    ds = synthetic.SyntheticShapes(size, 10**6, 0, max_objects)
+    return np.stack([ds[i]["image"] for i in range(n)]), [ds.scene(i) for i in range(n)]
+
+
+def _blur(images, sigma):
+    f = images.astype(np.float32)
+    return np.stack([gaussian_filter(im, (sigma, sigma, 0)) for im in f]).round().astype(np.uint8) if sigma else images
+
+
+def _shift_colors(images, s):
+    f = images.astype(np.float32)
+    return ((1 - s) * f + s * f[..., [1, 2, 0]]).round().astype(np.uint8)
+
+
+@pytest.mark.parametrize("size", [32, 64])
+def test_alignment_is_perfect_on_the_datasets_own_images(size):
+    images, scenes = _dataset(size)
+    r = alignment.score(images, scenes)
+    assert r["align_overall"] == 1.0 and r["align_exact"] == 1.0, r
+    # The model's float range reads the same.
+    assert alignment.score(images.astype(np.float32) / 127.5 - 1.0, scenes) == r
+
+
+def test_alignment_flags_exactly_the_wrong_attribute():
+    ds = synthetic.SyntheticShapes(32, 10**6, 0, 2)
+    scene = ds.scene(3)
+    image = synthetic.render_scene(scene, 32)
+    o = scene.objects[0]
+    other_color = next(c for c in synthetic.COLOR_NAMES if c not in (o.color, scene.background))
+    other_shape = next(s for s in synthetic.SHAPES if s != o.shape)
+    other_size = "small" if o.size == "large" else "large"
+    free_cell = next(c for c in range(9) if c not in {p.cell for p in scene.objects})
+    for field, value, attrs in [
+        ("color", other_color, {"color"}),
+        ("shape", other_shape, {"shape"}),
+        ("size", other_size, {"size"}),
+        ("cell", free_cell, {"position", "color", "shape", "size"}),
+    ]:
+        wrong = dataclasses.replace(scene, objects=(dataclasses.replace(o, **{field: value}), *scene.objects[1:]))
+        checks = alignment.check_image(image, wrong)
+        failed = {a for a, v in checks.items() if not v[0]}
+        assert failed == attrs, (field, checks)
+    extra = dataclasses.replace(scene, objects=(*scene.objects, synthetic.SceneObject("circle", "red", "small", 8)))
+    if 8 not in {p.cell for p in scene.objects}:
+        assert not alignment.check_image(image, extra)["count"][0]
+
+
+def test_alignment_is_at_chance_or_below_on_noise():
+    images, scenes = _dataset()
+    rng = np.random.default_rng(0)
+    for noise in (
+        rng.integers(0, 256, images.shape).astype(np.uint8),
+        np.clip(rng.normal(0, 0.5, images.shape), -1, 1),
+    ):
+        r = alignment.score(noise, scenes)
+        assert r["align_overall"] < 0.2
+        for a in alignment.ATTRIBUTES:
+            assert r[f"align_{a}"] <= alignment.CHANCE[a] + 0.1, (a, r)
+
+
+def test_alignment_gives_no_objects_to_noise_around_the_background():
+    # A half-trained (or broken) model's samples: the right background color under colored noise.
+    images, scenes = _dataset(n=60)
+    rng = np.random.default_rng(1)
+    for sigma in (30.0, 60.0, 100.0):
+        bg = np.stack([np.broadcast_to(synthetic.COLORS[s.background], images.shape[1:]) for s in scenes])
+        noisy = np.clip(bg + rng.normal(0, sigma, images.shape), 0, 255).astype(np.uint8)
+        r = alignment.score(noisy, scenes)
+        assert r["align_background"] >= 0.9
+        for a in ("count", "position", "color", "shape", "size"):
+            assert r[f"align_{a}"] <= 0.05, (sigma, r)
+
+
+@pytest.mark.parametrize(
+    "corrupt, strengths",
+    [(_blur, (0.0, 1.0, 1.5, 2.0, 3.0)), (_shift_colors, (0.0, 0.1, 0.2, 0.3, 0.5))],
+    ids=["blur", "color_shift"],
+)
+def test_alignment_falls_monotonically_with_corruption(corrupt, strengths):
+    images, scenes = _dataset(n=60)
+    overall = [alignment.score(corrupt(images, s), scenes)["align_overall"] for s in strengths]
+    assert overall[0] == 1.0
+    assert all(b <= a for a, b in zip(overall, overall[1:], strict=False)), overall
+    assert overall[-1] < 0.7, overall
+
+
+# ------------------------------------------------------------------------------------------ Fréchet distance
+
+
+def _scipy_fd(mu1, s1, mu2, s2):
+    covmean = scipy.linalg.sqrtm(s1 @ s2).real
+    return float(np.square(mu1 - mu2).sum() + np.trace(s1 + s2 - 2 * covmean))
+
+
+def test_frechet_distance_matches_a_float64_reference():
+    rng = np.random.default_rng(0)
+    d = 12
+    a, b = rng.normal(size=(d, d)), rng.normal(size=(d, d))
+    s1, s2 = a @ a.T + 0.1 * np.eye(d), b @ b.T + 0.1 * np.eye(d)
+    mu1, mu2 = rng.normal(size=d), rng.normal(size=d)
+    assert features.frechet_distance(mu1, s1, mu1, s1) == pytest.approx(0.0, abs=1e-9)
+    shift = rng.normal(size=d)
+    assert features.frechet_distance(mu1, s1, mu1 + shift, s1) == pytest.approx(np.square(shift).sum(), rel=1e-9)
+    assert features.frechet_distance(mu1, s1, mu2, s2) == pytest.approx(_scipy_fd(mu1, s1, mu2, s2), rel=1e-8)
+    # Rank-deficient covariances (fewer samples than dimensions) stay finite and non-negative.
+    f1, f2 = rng.normal(size=(5, d)), rng.normal(size=(7, d)) + 1.0
+    fd = features.feature_fd(f1, f2)
+    assert np.isfinite(fd) and fd > 0
+    assert features.feature_fd(f1, f1) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_feature_net_is_deterministic_and_cached(tmp_path):
+    spec = features.FeatureSpec(channels=(4, 8), feat_dim=8, n_train=64, n_test=16, steps=3, batch=16)
+    m1, info = features.get_feature_net(spec, tmp_path)
+    assert (tmp_path / f"feature_net_{spec.key()}.npz").exists()
+    m2, info2 = features.get_feature_net(spec, tmp_path)  # loaded from the file
+    m3, _ = features.train_feature_net(spec)  # rebuilt from the seed
+    images, _ = _dataset(n=6)
+    f1, f2, f3 = (features.make_feature_fn(m)(images) for m in (m1, m2, m3))
+    assert f1.shape == (6, 8)
+    np.testing.assert_array_equal(f1, f2)
+    np.testing.assert_allclose(f1, f3, rtol=1e-5, atol=1e-6)
+    assert info == info2 and set(info["test_accuracy"]) == set(features.HEADS)
+
+
+# ------------------------------------------------------------------------------------------ held-out v-loss
+
+
+def _dcfg(prediction):
+    return tiny_config(f"diffusion.prediction='{prediction}'").diffusion
+
+
+def test_vloss_is_zero_for_the_true_prediction_and_grows_with_error():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.uniform(-1, 1, (4, 8, 8, 3)), jnp.float32)
+    noise, times = vloss.fixed_inputs(x.shape, vloss.DEFAULT_TIMES, 1.0, seed=0)
+    err = jnp.asarray(rng.normal(size=x.shape), jnp.float32)
+    for prediction in ("x", "v", "eps"):
+        dcfg = _dcfg(prediction)
+
+        def truth(z, t, text, s=0.0, prediction=prediction):
+            tb = t[:, None, None, None]
+            e = (z - tb * x) / (1 - tb)  # the noise that made z
+            out = {"x": x, "v": x - e, "eps": e}[prediction]
+            return out + s * err
+
+        losses = [
+            float(vloss.vloss_per_time(lambda z, t, txt, s=s: truth(z, t, txt, s), x, {}, noise, times, dcfg).mean())
+            for s in (0.0, 0.1, 0.3)
+        ]
+        assert losses[0] == pytest.approx(0.0, abs=1e-8), prediction
+        assert losses[0] < losses[1] < losses[2], (prediction, losses)
+
+
+def test_heldout_vloss_is_deterministic_for_fixed_seeds():
+    cfg = tiny_config()
+    model = train_state.build_model(cfg)
+    from flax import nnx
+
+    graphdef, params = nnx.split(model)
+    params = nnx.to_pure_dict(params)
+    fn = vloss.make_vloss_fn(cfg, graphdef)
+    batch = vloss.heldout_batch(cfg, 4)
+    np.testing.assert_array_equal(batch["index"], np.arange(cfg.data.num_samples - 4, cfg.data.num_samples))
+    a = vloss.heldout_vloss(cfg, params, graphdef, 4, seed=3, fn=fn, batch=batch)
+    b = vloss.heldout_vloss(cfg, params, graphdef, 4, seed=3, fn=fn, batch=batch)
+    c = vloss.heldout_vloss(cfg, params, graphdef, 4, seed=4, fn=fn, batch=batch)
+    assert a == b and a != c
+    assert set(a) == {"vloss", *(f"vloss_t{t:g}" for t in vloss.DEFAULT_TIMES)}
+
+
+# ------------------------------------------------------------------------------------------ evaluate
+
+
+def test_evaluate_returns_every_metric(tmp_path):
+    from flax import nnx
+
+    from reve_jax.perceptual import DinoV2, DinoV2Config
+    from reve_jax.perceptual.weights import export_dinov2
+
+    cfg = tiny_config("sample.steps=2")
+    graphdef, params = nnx.split(train_state.build_model(cfg))
+    params = nnx.to_pure_dict(params)
+    dcfg = DinoV2Config(width=16, depth=1, num_heads=2, mlp_dim=32, patch_size=14, pos_grid=2)
+    dino = export_dinov2(DinoV2(dcfg, rngs=nnx.Rngs(0)), dcfg, tmp_path / "dino.npz")
+    spec = features.FeatureSpec(channels=(4, 8), feat_dim=8, n_train=32, n_test=8, steps=2, batch=8)
+    ev = quality.Evaluator(cfg, graphdef, 6, seed=0, feature_spec=spec, cache_dir=tmp_path, dinov2_path=dino)
+    out = ev(params)
+    assert {"align_overall", "align_exact", "fd_shapes", "fd_dinov2", "vloss", "eval_s"} <= set(out)
+    assert all(np.isfinite(v) for v in out.values())
+    # Fixed captions, noise and seeds: the same weights score the same.
+    again = ev(params)
+    assert {k: v for k, v in again.items() if k != "eval_s"} == {k: v for k, v in out.items() if k != "eval_s"}
+    # The real images themselves: perfect alignment and zero distances.
+    real = ev(params, images=ev.heldout["image"])
+    assert real["align_overall"] == 1.0
+    assert real["fd_shapes"] == pytest.approx(0.0, abs=1e-6) and real["fd_dinov2"] == pytest.approx(0.0, abs=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ speedup analysis
+
+
+def test_first_reach_on_synthetic_curves():
+    steps = [100, 200, 300, 400]
+    assert speedup.first_reach(steps, [0.1, 0.4, 0.6, 0.8], 0.5) == 300
+    assert speedup.first_reach(steps, [0.1, 0.4, 0.6, 0.8], 0.6) == 300  # reaching means >=
+    assert speedup.first_reach(steps, [0.1, 0.4, 0.6, 0.8], 0.5, interpolate=True) == pytest.approx(250)
+    assert speedup.first_reach(steps, [0.7, 0.4, 0.6, 0.8], 0.5, interpolate=True) == 100  # first point already
+    assert speedup.first_reach(steps, [0.1, 0.2, 0.3, 0.4], 0.5) is None
+    assert speedup.first_reach(steps, [0.1, np.nan, 0.2, 0.9], 0.5) == 400
+    # A non-monotone curve: the FIRST crossing counts even if it falls back later.
+    assert speedup.first_reach(steps, [0.1, 0.6, 0.3, 0.4], 0.5) == 200
+    # Sustained: a lucky evaluation that the next one does not confirm is not a crossing; the last counts alone.
+    assert speedup.first_reach(steps, [0.1, 0.6, 0.3, 0.6], 0.5, sustain=2) == 400
+    assert speedup.first_reach(steps, [0.1, 0.6, 0.7, 0.3], 0.5, sustain=2) == 200
+    assert speedup.first_reach(steps, [0.1, 0.6, 0.3, 0.4], 0.5, sustain=2) is None
+    # Lower is better (FD, v-loss).
+    assert speedup.first_reach(steps, [9.0, 5.0, 2.0, 1.0], 3.0, higher_is_better=False) == 300
+    assert speedup.first_reach(steps, [9.0, 5.0, 2.0, 1.0], 3.0, False, interpolate=True) == pytest.approx(
+        200 + 100 * 2 / 3
+    )
+
+
+def _curve(values, step_s, every=100, batch=8, img_flops=1e9):
+    return [
+        {
+            "step": every * (i + 1),
+            "samples": every * (i + 1) * batch,
+            "flops": every * (i + 1) * batch * img_flops,
+            "wall_s": every * (i + 1) * step_s,
+            "cpu_s": every * (i + 1) * step_s * 2,
+            "align_overall": v,
+            "align_exact": v / 2,
+            "fd_shapes": 10 * (1 - v),
+            "vloss": 1 - v,
+        }
+        for i, v in enumerate(values)
+    ]
+
+
+def _runs():
+    def run(method, values, step_s, seed, chosen=True):
+        return {"method": method, "seed": seed, "lr": 1e-3, "chosen": chosen, "curve": _curve(values, step_s)}
+
+    return {
+        "b0": run("baseline", [0.2, 0.4, 0.5, 0.6], 1.0, 0),
+        "b1": run("baseline", [0.2, 0.3, 0.5, 0.6], 1.0, 1),
+        "b_lr": run("baseline", [0.1, 0.1, 0.1, 0.1], 1.0, 0, chosen=False),  # a losing LR: not counted
+        "r0": run("recipe", [0.4, 0.7, 0.8, 0.9], 2.0, 0),  # twice the steps' speed, each step twice as slow
+        "r1": run("recipe", [0.3, 0.6, 0.8, 0.9], 2.0, 1),
+        "t0": run("tread", [0.1, 0.2, 0.3, 0.4], 0.5, 0),  # never reaches
+        "t1": run("tread", [0.1, 0.2, 0.6, 0.6], 0.5, 1),  # reaches at 300 and holds
+    }
+
+
+def test_summary_speedups_and_not_reached():
+    runs = _runs()
+    assert speedup.targets_of(runs)["align_overall"] == pytest.approx(0.6)
+    s = speedup.summarize(runs)
+    assert s["baseline"]["step"] == (400.0, 0.0) and s["baseline"]["reached"] == 2
+    assert s["recipe"]["step"] == (200.0, 0.0)
+    assert s["recipe"]["speedup_step"] == pytest.approx(2.0)
+    assert s["recipe"]["speedup_wall_s"] == pytest.approx(1.0)  # 400 s either way
+    assert s["recipe"]["speedup_flops"] == pytest.approx(2.0)
+    assert s["tread"]["reached"] == 1 and s["tread"]["step"] == (300.0, 0.0)
+    assert s["tread"]["final_align_overall"] == (pytest.approx(0.5), pytest.approx(0.1))
+    runs["t1"]["curve"][3]["align_overall"] = 0.4  # reached once, not held: not a crossing
+    assert speedup.summarize(runs)["tread"]["reached"] == 0
+    assert speedup.summarize(runs, sustain=1)["tread"]["reached"] == 1
+    runs.pop("t1")
+    s = speedup.summarize(runs)
+    assert s["tread"]["reached"] == 0 and s["tread"]["step"] is None and s["tread"]["speedup_step"] is None
+    md = report.markdown_table({"summary": {"align_overall": s}, "targets": speedup.targets_of(runs)})
+    assert "not reached" in md and "| full recipe | 2/2 | 200 |" in md
+
+
+def test_report_writes_table_and_plot(tmp_path):
+    runs = _runs()
+    results = {
+        "size": {"name": "test"},
+        "targets": speedup.targets_of(runs),
+        "summary": {m: speedup.summarize(runs, m) for m in ("align_overall", "fd_shapes", "vloss")},
+        "runs": runs,
+    }
+    report.write_outputs(results, tmp_path)
+    assert (tmp_path / "speedup.png").stat().st_size > 10_000
+    assert "baseline + tread" in (tmp_path / "speedup.md").read_text()
+
+
+def test_benchmark_configs_differ_only_in_their_techniques():
+    size = speedup.SIZES["cpu"]
+    base = speedup.build_config(size, "baseline", 1e-3, 0)
+    recipe = speedup.build_config(size, "recipe", 1e-3, 0)
+    assert (base.model.width, base.train.steps, base.optim.schedule, base.optim.lr) == (128, size.steps, "cosine", 1e-3)
+    assert base.diffusion.prediction == "v" and base.model.bottleneck == 0 and not base.model.route.enabled
+    assert recipe.diffusion.prediction == "x" and recipe.model.bottleneck > 0 and recipe.model.route.enabled
+    assert recipe.optim.name == "muon" and recipe.sample.to_dict() == base.sample.to_dict()
+    tread = speedup.build_config(size, "tread", 1e-3, 1)
+    assert tread.model.route.enabled and tread.diffusion.prediction == "v" and tread.seed == 1
+    assert speedup.techniques_of("recipe+ddt") == (*speedup.RECIPE, "ddt")
+    for name, size in speedup.SIZES.items():  # every method of every size is a valid config
+        for method in ("baseline", *size.methods, "ddt", "recipe+ddt"):
+            cfg = speedup.build_config(size, method, size.lrs[0], size.seeds[-1])
+            assert cfg.train.steps == size.steps and cfg.optim.schedule == "cosine", (name, method)
+    assert jax.device_count() == 8  # conftest's emulated devices: the configs build without touching them
