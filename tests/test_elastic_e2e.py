@@ -330,7 +330,6 @@ def _train_reference(workdir: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.path.exists(TRAIN), reason="scripts/train.py not in the tree yet")
 def test_real_trainer_kill_one_of_four_matches_uninterrupted_run(tmp_path, launched):
     ref = str(tmp_path / "reference")
     _train_reference(ref)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch  # a test requirement (requirements-dev.txt)
 from flax import nnx
 
 from reve_jax.perceptual import (
@@ -23,7 +24,6 @@ from reve_jax.perceptual import (
 )
 from reve_jax.perceptual.weights import save_params
 
-torch = pytest.importorskip("torch")
 F = torch.nn.functional
 
 TINY_VGG = (4, 8, 8, 16, 16)
@@ -132,8 +132,7 @@ def test_lpips_features_and_distance_match_torch(tiny_lpips):
 def test_lpips_real_head_file_full_width(tmp_path):
     """The lpips package's shipped head file, converted beside a full-width VGG16 with random weights."""
     spec = importlib.util.find_spec("lpips")
-    if spec is None:
-        pytest.skip("lpips is not installed (pip install --no-deps lpips)")
+    assert spec is not None, "lpips is a test requirement: pip install --no-deps -r requirements-nodeps.txt"
     lin_file = Path(spec.origin).parent / "weights" / "v0.1" / "vgg.pth"
     torch.manual_seed(1)
     vgg = TorchVGG((64, 128, 256, 512, 512)).eval()
@@ -175,7 +174,7 @@ def test_lpips_bf16_close_to_f32(tiny_lpips):
 
 def hf_model(registers: int):
     """A tiny transformers DINOv2 (4x4 position grid at 56 px) with all weights randomised."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     kw = dict(
         hidden_size=32,
         num_hidden_layers=2,
@@ -186,8 +185,6 @@ def hf_model(registers: int):
         attn_implementation="eager",
     )
     if registers:
-        if not hasattr(transformers, "Dinov2WithRegistersModel"):
-            pytest.skip("this transformers has no Dinov2WithRegistersModel")
         model = transformers.Dinov2WithRegistersModel(
             transformers.Dinov2WithRegistersConfig(num_register_tokens=registers, **kw)
         )
