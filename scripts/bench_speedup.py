@@ -1,7 +1,7 @@
 """The speedup benchmark: the full recipe and each single technique against a DiT baseline with its own tuned,
 fully decayed LR, in steps, samples, FLOPs and wall clock to first reach the baseline's final caption alignment.
 
-    python scripts/bench_speedup.py --size cpu --out runs/speedup_cpu      # about 20 minutes on 2 idle CPU cores
+    python scripts/bench_speedup.py --size cpu --out runs/speedup_cpu      # 20-30 minutes on 2 CPU cores
     python scripts/bench_speedup.py --size gpu --out runs/speedup_gpu      # sized for about 8 minutes on one H200
     python scripts/bench_speedup.py --size gpu --quick --out runs/gpu_chk  # the gpu size's code path, shrunk
 

@@ -50,7 +50,7 @@ def markdown_table(results: dict) -> str:
             f"{_pm(r['flops'], '{:.1f}', 1e-12)} | {_pm(r['wall_s'], '{:.0f}')} | {_pm(r['cpu_s'], '{:.0f}')} | "
             f"{_x(r['speedup_step'])} | {_x(r['speedup_wall_s'])} | {_pm(r['final_align_overall'], '{:.3f}')} | "
             f"{_pm(r['final_align_exact'], '{:.3f}')} | {_pm(r['final_fd_shapes'], '{:.1f}')} | "
-            f"{_pm(r['final_vloss'], '{:.4f}')} | {r['s_per_step']:.3f} |"
+            f"{_pm(r['final_vloss'], '{:.4f}')} | {r['s_per_step'] or float('nan'):.3f} |"
         )
     tgt = f"{target:.3f}" if target is not None else "-"
     out = f"Target: the baseline's final caption alignment, {tgt} (mean over its seeds).\n\n" + head + "\n".join(lines)
@@ -68,7 +68,24 @@ def markdown_table(results: dict) -> str:
         f"\n\nTargets: FD-shapes {t.get('fd_shapes', float('nan')):.2f}, v-loss {t.get('vloss', float('nan')):.4f} "
         "(baseline finals, mean over seeds).\n\n"
     )
-    return out + note + "\n".join(sec) + "\n"
+    return out + note + "\n".join(sec) + "\n" + attribute_table(results)
+
+
+def attribute_table(results: dict) -> str:
+    """Final per-attribute caption alignment per method (mean over the chosen seeds), markdown; "" without runs."""
+    from reve_jax.eval.alignment import ATTRIBUTES
+
+    runs = [r for r in results.get("runs", {}).values() if r.get("chosen") and r["curve"]]
+    if not runs:
+        return ""
+    lines = ["", "Final caption alignment per attribute (mean over seeds):", ""]
+    lines.append("| method | " + " | ".join(ATTRIBUTES) + " | all checks of an image |")
+    lines.append("|---" * (len(ATTRIBUTES) + 2) + "|")
+    for m in _order({r["method"]: None for r in runs}):
+        finals = [r["curve"][-1] for r in runs if r["method"] == m]
+        vals = [np.mean([f.get(f"align_{a}", np.nan) for f in finals]) for a in (*ATTRIBUTES, "exact")]
+        lines.append(f"| {label(m)} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def _mean_curve(runs: list[dict], key: str, metric: str):
