@@ -166,6 +166,7 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
         )
 
     # ---------------------------------------------------------------- Input
+    stages = pipeline.make_stages(cfg.data, tr.global_batch)
     data_iter = pipeline.make_batch_iterator(
         cfg.data,
         cfg.text.max_len,
@@ -174,8 +175,8 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
         jax.process_count(),
         position,
         text_cfg=cfg.text,
+        stages=stages,
     )
-    stages = pipeline.make_stages(cfg.data, tr.global_batch)
     _check_shapes(cfg, pipeline.image_shapes(stages))
     dataset = stages[0].dataset
     sample_fn = sampling.make_sampler(cfg, setup.graphdef)

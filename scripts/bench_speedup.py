@@ -4,6 +4,7 @@ fully decayed LR, in steps, samples, FLOPs and wall clock to first reach the bas
     python scripts/bench_speedup.py --size cpu --out runs/speedup_cpu      # 20-30 minutes on 2 CPU cores
     python scripts/bench_speedup.py --size gpu --out runs/speedup_gpu      # sized for about 8 minutes on one H200
     python scripts/bench_speedup.py --size gpu --quick --out runs/gpu_chk  # the gpu size's code path, shrunk
+    python scripts/bench_speedup.py --rescore --out runs/speedup_cpu       # alignment again, from saved images
 
 Writes <out>/speedup.md (tables), <out>/speedup.png (quality against wall clock and steps), <out>/results.json and
 one JSON per run in <out>/runs/ (finished runs are reused when started again). See reve_jax/eval/speedup.py.
@@ -36,7 +37,12 @@ def main(argv=None):
     p.add_argument("--dinov2", help="converted DINOv2 .npz: adds FD-DINOv2 (scripts/convert_weights.py)")
     p.add_argument("--cache", help="feature-net and compilation cache directory (default: <out>/cache)")
     p.add_argument("--config", action="append", default=[], help="extra override for every run, a.b=value")
+    p.add_argument("--rescore", action="store_true", help="recompute alignment of a finished --out from its images")
     args = p.parse_args(argv)
+    if args.rescore:
+        speedup.rescore(args.out)
+        print((Path(args.out) / "speedup.md").read_text())
+        return
 
     size = speedup.SIZES[args.size]
     extra = [x.removeprefix("--").removeprefix("config.") for x in args.config]

@@ -394,6 +394,7 @@ def make_batch_iterator(
     process_count: int,
     start_position: int,
     text_cfg: Any = None,
+    stages: tuple[Stage, ...] | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
     """An endless iterator of this process's batches, starting at global position `start_position`.
 
@@ -413,7 +414,7 @@ def make_batch_iterator(
     (`batch_image_shape`). After k batches the global position is start_position + k * global_batch.
     """
     _check_layout(global_batch, process_index, process_count, start_position)
-    stages = make_stages(data_cfg, global_batch)
+    stages = stages if stages is not None else make_stages(data_cfg, global_batch)
     local = global_batch // process_count
     load = _LoadSample(
         stages=stages,

@@ -3,7 +3,9 @@ against the pixels of the image generated for it, and the fraction of checks tha
 
 The reader knows only the image and the dataset's geometry (the 3x3 grid, `object_coverage`), never the scene:
 
-- background: the palette color most pixels are nearest to;
+- background: the palette color most pixels are nearest to, provided at least `min_background` of the pixels lie
+  within `tol` of it: noise around a color is not a solid background of that color (otherwise a model that only
+  learned each caption's mean color would pass the background check);
 - per cell: each pixel is explained as a blend `bg + a * (c - bg)` of the background and one palette color c (the
   way `render_scene` anti-aliases); a pixel off every such segment by more than `tol` counts for nothing. The cell's
   object color is the one with the largest summed coverage `a`; its shape and size are those of the rendered
@@ -41,12 +43,14 @@ class Reader:
     segment; min_iou: least soft IoU with a template for a cell to hold an object; shift: template offsets tried,
     in units of image_size / 32 pixels (so the same tolerance at every resolution); max_clutter: largest share of
     a cell's pixels explained neither as background nor as a blend of it with the object's color (noise and
-    smears of many colors) for the cell to hold an object."""
+    smears of many colors) for the cell to hold an object; min_background: least share of the image's pixels within
+    tol of the background color for the image to have a background at all (objects cover at most a quarter)."""
 
     tol: float = 40.0
     min_iou: float = 0.35
     shift: int = 1
     max_clutter: float = 0.15
+    min_background: float = 0.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,7 +127,8 @@ def _shifted(cov: np.ndarray, y0: int, y1: int, x0: int, x1: int, s: int) -> np.
 
 
 def read_image(image: np.ndarray, reader: Reader = Reader()) -> tuple[str, list[CellReading]]:
-    """Reads one image (uint8 or float [-1, 1], [S, S, 3]); returns (background color name, 9 CellReadings)."""
+    """Reads one image (uint8 or float [-1, 1], [S, S, 3]); returns (background color name, or "" when no color
+    covers `min_background` of the image, and 9 CellReadings)."""
     img = to_rgb255(image)
     size = img.shape[0]
     if img.shape != (size, size, 3):
@@ -131,6 +136,7 @@ def read_image(image: np.ndarray, reader: Reader = Reader()) -> tuple[str, list[
     bg, bg_rgb = background(img)
     cov = color_coverage(img, bg, bg_rgb, reader.tol)
     near_bg = np.linalg.norm(img - bg_rgb, axis=-1) <= reader.tol
+    solid = np.mean(np.linalg.norm(img - PALETTE[bg], axis=-1) <= reader.tol) >= reader.min_background
     templates = _templates(size)
     min_area = min(t.sum(axis=(1, 2)).min() for t in templates)
     s = reader.shift * max(1, size // 32)
@@ -151,7 +157,7 @@ def read_image(image: np.ndarray, reader: Reader = Reader()) -> tuple[str, list[
             continue
         shape, obj_size = TEMPLATES[int(iou.max(0).argmax())]
         cells.append(CellReading(True, synthetic.COLOR_NAMES[k], shape, obj_size, best))
-    return synthetic.COLOR_NAMES[bg], cells
+    return (synthetic.COLOR_NAMES[bg] if solid else ""), cells
 
 
 def check_image(image: np.ndarray, scene: synthetic.Scene, reader: Reader = Reader()) -> dict[str, list[bool]]:

@@ -33,6 +33,28 @@ def _order(summary: dict) -> list[str]:
     return first + sorted(m for m in summary if m not in first)
 
 
+def baseline_gain(results: dict, metric: str, higher_is_better: bool) -> float | None:
+    """How far the chosen baseline runs moved on `metric` from their first to their final evaluation (mean over
+    seeds), positive when they got better; None without baseline runs."""
+    base = [r for r in results.get("runs", {}).values() if r["method"] == "baseline" and r.get("chosen")]
+    base = [r["curve"] for r in base if r["curve"] and metric in r["curve"][0]]
+    if not base:
+        return None
+    gain = float(np.mean([c[-1][metric] - c[0][metric] for c in base]))
+    return gain if higher_is_better else -gain
+
+
+def _floor_warning(results: dict, metric: str, name: str, higher_is_better: bool) -> str:
+    gain = baseline_gain(results, metric, higher_is_better)
+    if gain is None or gain > 0:
+        return ""
+    return (
+        f"**The baseline did not improve on {name} during its budget** (final no better than its first "
+        "evaluation): the target is its starting level, so reaching it means nothing and every time to target "
+        "for this metric is meaningless. Compare the final columns instead (quality at the same budget).\n\n"
+    )
+
+
 def markdown_table(results: dict) -> str:
     """The primary table (caption alignment) and a secondary one (FD-shapes and v-loss targets), markdown."""
     primary = results["summary"].get("align_overall", {})
@@ -53,7 +75,8 @@ def markdown_table(results: dict) -> str:
             f"{_pm(r['final_vloss'], '{:.4f}')} | {r['s_per_step'] or float('nan'):.3f} |"
         )
     tgt = f"{target:.3f}" if target is not None else "-"
-    out = f"Target: the baseline's final caption alignment, {tgt} (mean over its seeds).\n\n" + head + "\n".join(lines)
+    out = f"Target: the baseline's final caption alignment, {tgt} (mean over its seeds).\n\n"
+    out += _floor_warning(results, "align_overall", "caption alignment", True) + head + "\n".join(lines)
     sec = ["| method | steps to baseline's final FD-shapes | speedup | steps to baseline's final v-loss | speedup |"]
     sec.append("|---|---|---|---|---|")
     fd, vl = results["summary"].get("fd_shapes", {}), results["summary"].get("vloss", {})
@@ -68,6 +91,7 @@ def markdown_table(results: dict) -> str:
         f"\n\nTargets: FD-shapes {t.get('fd_shapes', float('nan')):.2f}, v-loss {t.get('vloss', float('nan')):.4f} "
         "(baseline finals, mean over seeds).\n\n"
     )
+    note += _floor_warning(results, "fd_shapes", "FD-shapes", False) + _floor_warning(results, "vloss", "v-loss", False)
     return out + note + "\n".join(sec) + "\n" + attribute_table(results)
 
 

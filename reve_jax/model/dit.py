@@ -31,14 +31,37 @@ def _dtype(name: str):
     return jnp.dtype(name)
 
 
-def _block_call(remat: str):
-    """How a block is applied: directly, rematerialised whole, or keeping only matmul outputs (no batch dims)."""
-    call = lambda blk, *a: blk(*a)  # noqa: E731
+def _remat(fn, remat: str):
+    """`fn` applied directly, rematerialised whole, or keeping only matmul outputs (no batch dims)."""
     if remat == "block":
-        return nnx.remat(call)
+        return jax.checkpoint(fn)
     if remat == "dots":
-        return nnx.remat(call, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    return call
+        return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    return fn
+
+
+def run_blocks(blocks, seq, c, angles, lengths, *, remat: str = "none", scan: bool = False):
+    """Applies `blocks` (identical structure) in order to the joint sequence `seq`.
+
+    Unrolled, XLA compiles every block separately: compile time grows with depth. With `scan`, the blocks' weights
+    are stacked for this call (the parameter tree keeps one entry per block, so checkpoints, optimizer groups and
+    sharding rules do not change with the option) and one compiled block body runs under `lax.scan`: compile time
+    stops growing with depth, for the price of one copy of the blocks' weights per step.
+    """
+    graphdef = nnx.graphdef(blocks[0])
+    states = [nnx.state(b) for b in blocks]
+
+    def call(state, x):
+        return nnx.merge(graphdef, state)(x, c, angles, lengths)
+
+    call = _remat(call, remat)
+    if not scan or len(blocks) == 1:
+        for state in states:
+            seq = call(state, seq)
+        return seq
+    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+    seq, _ = jax.lax.scan(lambda x, state: (call(state, x), None), seq, stacked)
+    return seq
 
 
 class DiTBlock(nnx.Module):
@@ -118,6 +141,7 @@ class DiT(nnx.Module):
         self.head_dim = width // heads
         self.rope_theta = m.rope_theta
         self.remat = m.remat
+        self.scan_layers = m.scan_layers
         self.repa_block = m.repa_block if routing_allowed else -1
         self.route = m.route.enabled and routing_allowed
         self.route_keep_ratio = m.route.keep_ratio
@@ -184,25 +208,30 @@ class DiT(nnx.Module):
         idx = jnp.broadcast_to(jnp.arange(n)[None], (b, n))
         full_img, angles = None, angles_for(pos)
         aux = {}
-        block_fn = _block_call(self.remat)
-        for i, block in enumerate(self.blocks):
-            if routed and i == self.route_start:
+        # Blocks run in segments between the points where the token set changes (TREAD's span) or is read (REPA);
+        # within a segment the joint [image, text] sequence stays joined.
+        depth = len(self.blocks)
+        cuts = {0, depth, self.repa_block + 1} | ({self.route_start, self.route_end} if routed else set())
+        cuts = sorted(i for i in cuts if 0 <= i <= depth)
+        for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
+            if routed and lo == self.route_start:
                 keep = routing.keep_count(n, self.route_keep_ratio)
                 idx = routing.sample_keep_indices(route_key, b, n, keep)
                 full_img, x = x, routing.gather_tokens(x, idx)
                 angles = angles_for(routing.gather_tokens(pos, idx))
-            if routed and i == self.route_end:
+            if routed and lo == self.route_end:
                 x = routing.scatter_tokens(full_img, x, idx)
                 idx = jnp.broadcast_to(jnp.arange(n)[None], (b, n))
                 angles = angles_for(pos)
             n_img = x.shape[1]
             seq = jnp.concatenate([x, txt.astype(x.dtype)], axis=1)
-            seq = block_fn(block, seq, c, angles, lengths + n_img)
+            blocks = [self.blocks[i] for i in range(lo, hi)]
+            seq = run_blocks(blocks, seq, c, angles, lengths + n_img, remat=self.remat, scan=self.scan_layers)
             x, txt = seq[:, :n_img], seq[:, n_img:]
-            if i == self.repa_block:
+            if hi - 1 == self.repa_block:
                 aux["repa"] = self.repa_proj(x) if self.repa_proj is not None else x
                 aux["repa_idx"] = idx
-        if routed and self.route_end == len(self.blocks):
+        if routed and self.route_end == depth:
             x = routing.scatter_tokens(full_img, x, idx)
         out = self.final(x, c)
         scale = self.out_patch / self.patch
