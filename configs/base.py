@@ -43,7 +43,7 @@ def get_config() -> ml_collections.ConfigDict:
     m.param_dtype = "float32"
     m.attention = "auto"  # auto (cudnn on GPU, xla elsewhere) | xla | cudnn
     m.remat = "none"  # none | block (recompute each block in the backward pass) | dots (keep matmul outputs only)
-    m.scan_layers = False  # scan over blocks: one compiled block body (compile time flat in depth); see dit.py
+    m.scan_layers = False  # lax.scan over blocks, weights stacked per step (no compile gain on CPU: performance.md)
     # TREAD token routing (training only): a random keep_ratio of image tokens go through blocks [start, end).
     m.route = ml_collections.ConfigDict()
     m.route.enabled = False

@@ -175,6 +175,7 @@ def test_lpips_bf16_close_to_f32(tiny_lpips):
 def hf_model(registers: int):
     """A tiny transformers DINOv2 (4x4 position grid at 56 px) with all weights randomised."""
     import transformers
+
     kw = dict(
         hidden_size=32,
         num_hidden_layers=2,

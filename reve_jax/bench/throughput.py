@@ -143,8 +143,9 @@ class _Collect(logging.Handler):
 # ---------------------------------------------------------------------------------------------------- Ours
 def _compile(setup, state, batch):
     """AOT-compile the jitted step for `state` and `batch` (arrays or ShapeDtypeStructs with shardings). Returns
-    (step, compiled, seconds, the attention fallback's warnings): `step(state, batch) -> (state, metrics)` runs the
-    compiled program with the frozen perceptual networks (`setup.frozen.states`, where the setup has them) bound."""
+    (step, compiled, (trace-and-lower seconds, total seconds), the attention fallback's warnings):
+    `step(state, batch) -> (state, metrics)` runs the compiled program with the frozen perceptual networks
+    (`setup.frozen.states`, where the setup has them) bound."""
     frozen = getattr(setup, "frozen", None)
     extra = (frozen.states,) if frozen is not None else ()
     step_fn = train_state.jit_train_step(setup, jax.tree.map(lambda a: a.sharding, batch))
@@ -153,8 +154,10 @@ def _compile(setup, state, batch):
     try:
         t0 = time.perf_counter()
         with jax.set_mesh(setup.mesh):
-            compiled = step_fn.lower(state, batch, *extra).compile()
-        seconds = time.perf_counter() - t0
+            lowered = step_fn.lower(state, batch, *extra)
+            lower_s = time.perf_counter() - t0
+            compiled = lowered.compile()
+        seconds = (lower_s, time.perf_counter() - t0)
     finally:
         layers.log.removeHandler(collect)
 
@@ -267,7 +270,7 @@ def bench_jax(cfg, opts, *, fresh_process: bool) -> dict:
     }
     attention = layers.attention_impl(m.attention, m.dtype, m.width // m.heads)
     try:
-        step, compiled, compile_s, fallback = _compile(setup, setup.abstract_state, abstract_batch)
+        step, compiled, (lower_s, compile_s), fallback = _compile(setup, setup.abstract_state, abstract_batch)
     except Exception as e:  # cuDNN can also refuse at compile time; 'auto' then means XLA
         if attention != "cudnn" or m.attention != "auto":
             raise
@@ -285,7 +288,8 @@ def bench_jax(cfg, opts, *, fresh_process: bool) -> dict:
         "batch": b,
         "tread": m.route.enabled,
         "flops_per_image": flops.train_flops_per_image(cfg),
-        "compile_s": compile_s,
+        "compile_s": compile_s,  # trace, lower and compile
+        "lower_s": lower_s,  # the Python trace and lowering part of compile_s
         "memory": mem,
         "attention": "xla (cudnn refused)" if fallback else attention,
         "dtype": m.dtype,

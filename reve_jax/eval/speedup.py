@@ -36,8 +36,7 @@ import numpy as np
 
 from reve_jax import config as config_lib
 from reve_jax import flops, sharding, train_state, viz
-from reve_jax.data import pipeline
-from reve_jax.data import synthetic
+from reve_jax.data import pipeline, synthetic
 from reve_jax.eval import alignment, features, quality
 from reve_jax.eval.report import write_outputs
 
