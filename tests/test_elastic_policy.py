@@ -295,3 +295,39 @@ def test_beats_of_an_old_group_are_ignored():
     r.exit_all(-9)
     r.feed(P.Beat(r.t, 0, "h1", 50, "train", 0))
     assert r.group.attempt == 1 and r.group.max_step == -1
+
+
+@pytest.mark.parametrize("host_mtbf_s, stops", [(1e9, True), (8.0, False)])
+def test_readmit_by_cost_waits_for_the_next_relaunch_when_a_stop_does_not_pay(host_mtbf_s, stops):
+    """With host_mtbf_s known, a repaired host stops the group only if 1 more host x (mtbf / 4 hosts) of training
+    beats 4 hosts idle for a relaunch (measured: ~3 s here). Rarely failing hosts: stop at once; often failing
+    ones: the ready host waits and joins when the next failure relaunches the group anyway."""
+    r = Run(probe_interval=2.0, ckpt_every=10, host_mtbf_s=host_mtbf_s, relaunch_estimate_s=1e6)
+    r.train(4)
+    r.feed(P.Exit(r.t, 0, "h2", 1))
+    r.tick(1.0)
+    r.exit_all(-9)
+    r.train(3, start=0)
+    relaunch = r.policy.relaunch_s
+    assert len(relaunch) == 1 and 1 <= relaunch[0] < 10  # measured, so the 1e6 s estimate no longer counts
+    r.feed(P.ProbeResult(r.t, "h2", True))
+    assert bool(r.of(P.RequestStop)) == stops
+    assert r.policy.readmit_pays(3, 4) == stops
+    if not stops:
+        r.train(2)
+        r.feed(P.Exit(r.t, 1, "h0", 1))  # the next failure: h2 joins the relaunch that follows
+        r.tick(1.0)
+        r.exit_all(-9)
+        assert r.of(P.Launch)[-1].hosts == ("h1", "h2", "h3")
+        assert r.records("readmit") == [{"host": "h2", "strikes": 1}]
+
+
+def test_readmit_by_cost_decision_scales_with_cluster_size():
+    # Llama-3-like hosts (MTBF ~264 days), a 7-minute relaunch: one repaired host pays on 16 hosts, not on 1,250,
+    # where it takes ~29 ready hosts (N^2 x relaunch / MTBF) to pay for stopping everyone.
+    config = P.PolicyConfig(host_mtbf_s=264 * 86_400.0, relaunch_estimate_s=420.0)
+    pol = P.Policy([f"h{i}" for i in range(4)], config)
+    assert pol.readmit_pays(15, 16)
+    assert not pol.readmit_pays(1249, 1250)
+    assert not pol.readmit_pays(1222, 1250) and pol.readmit_pays(1220, 1250)
+    assert P.Policy(["a", "b"], P.PolicyConfig()).readmit_pays(1249, 1250)  # unknown MTBF: always

@@ -51,6 +51,13 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--stop-timeout", type=float, default=120.0, help="grace for a clean stop before a kill")
     p.add_argument("--probe-interval", type=float, default=10.0)
     p.add_argument("--no-readmit", action="store_true", help="never re-admit a failed host")
+    p.add_argument(
+        "--host-mtbf-h",
+        type=float,
+        default=0.0,
+        help="mean hours between failures of one host: a repaired host then stops the group only when that pays "
+        "(docs/elastic.md); 0 = re-admit at once",
+    )
     p.add_argument("--quiet", action="store_true")
     args, rest = p.parse_known_args(argv)
     unknown = [a for a in rest if not a.startswith("--config.")]
@@ -128,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         stop_timeout=args.stop_timeout,
         probe_interval=args.probe_interval,
         readmit=not args.no_readmit,
+        host_mtbf_s=args.host_mtbf_h * 3600.0,
         ckpt_every=hints.get("ckpt_every", 0),
         total_steps=hints.get("steps", 0),
     )

@@ -38,6 +38,12 @@ class PolicyConfig:
     ckpt_every: int = 0  # the trainer's checkpoint cadence in steps (0: unknown), bounds a clean stop
     total_steps: int = 0  # the run's length (0: unknown); no re-admission in the last checkpoint interval
     max_failures_without_progress: int = 5  # failures in a row that get no further than before: give up
+    # Re-admission by cost: stop the group for a repaired host only when the added hosts would train longer before
+    # the next failure-driven relaunch (expected host_mtbf_s / group size) than the stop idles the whole group
+    # (the mean of this run's measured relaunches; relaunch_estimate_s until one is measured). Otherwise the ready
+    # hosts wait and join at the next relaunch for free. host_mtbf_s = 0 (unknown): re-admit at once.
+    host_mtbf_s: float = 0.0
+    relaunch_estimate_s: float = 300.0
 
 
 # ------------------------------------------------------------------------------------------------ events in
@@ -207,6 +213,7 @@ class Policy:
         self.failures_without_progress = 0
         self.best_step = -1
         self.waiting_since: float | None = None
+        self.relaunch_s: list[float] = []  # measured relaunches: detection (or stop request) to the first step
 
     # ----------------------------------------------------------------------------------------------- public
     def start(self, t: float) -> list[Action]:
@@ -494,17 +501,30 @@ class Policy:
             return
         if g.mode != "running" or not all(m.trained for m in g.members.values()):
             return  # do not stop a group that is still starting or already stopping
-        if self._size_for(len(self.usable())) <= len(g.hosts):
+        new_size = self._size_for(len(self.usable()))
+        if new_size <= len(g.hosts):
             return  # the repaired host would not make a bigger group: it waits as a spare
         c = self.config
         if c.total_steps and c.total_steps - g.max_step <= max(c.ckpt_every, 1):
             return  # the run ends before a stop would pay off
+        if not self.readmit_pays(len(g.hosts), new_size):
+            return  # cheaper to wait: the ready hosts join at the next failure-driven relaunch
         g.mode, g.stop_reason = "stopping", "readmit"
         g.deadline = t + c.stop_timeout + self._time_to_checkpoint(t, g)
         ready = [h for h in self.order if self.hosts[h].ready]
         self.recovery = Recovery("readmit", tuple(ready), t, t, g.max_step)
         out.append(RequestStop(g.attempt, "readmit"))
         out.append(Record("stop_request", {"attempt": g.attempt, "reason": "readmit", "hosts": ready}))
+
+    def readmit_pays(self, size: int, new_size: int) -> bool:
+        """Whether stopping a group of `size` hosts to relaunch it with `new_size` gains more host-seconds of
+        training (the added hosts, until the next failure at the new size is expected) than the relaunch costs
+        (every host of the new group idle for one relaunch). Always true when `host_mtbf_s` is unknown (0)."""
+        c = self.config
+        if c.host_mtbf_s <= 0:
+            return True
+        relaunch = sum(self.relaunch_s) / len(self.relaunch_s) if self.relaunch_s else c.relaunch_estimate_s
+        return (new_size - size) * c.host_mtbf_s / new_size >= new_size * relaunch
 
     def _time_to_checkpoint(self, t: float, g: Group) -> float:
         """Seconds the group needs to reach its next checkpoint at its measured step rate (0 if unknown)."""
@@ -546,6 +566,7 @@ class Policy:
                 },
             )
         )
+        self.relaunch_s.append(t - r.detect_t)
         self.recovery = None
 
     def _finish(self, status: str, reason: str, out: list[Action]) -> None:

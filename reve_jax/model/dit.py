@@ -43,10 +43,11 @@ def _remat(fn, remat: str):
 def run_blocks(blocks, seq, c, angles, lengths, *, remat: str = "none", scan: bool = False):
     """Applies `blocks` (identical structure) in order to the joint sequence `seq`.
 
-    Unrolled, XLA compiles every block separately: compile time grows with depth. With `scan`, the blocks' weights
-    are stacked for this call (the parameter tree keeps one entry per block, so checkpoints, optimizer groups and
-    sharding rules do not change with the option) and one compiled block body runs under `lax.scan`: compile time
-    stops growing with depth, for the price of one copy of the blocks' weights per step.
+    Unrolled, XLA compiles every block separately. With `scan`, the blocks' weights are stacked for this call (the
+    parameter tree keeps one entry per block, so checkpoints, optimizer groups and sharding rules do not change
+    with the option) and one block body runs under `lax.scan`, for one copy of the blocks' weights per step. On
+    CPU this did not shorten compilation (the per-block optimizer, EMA and norm updates stay; see
+    docs/performance.md), so it stays off by default until measured on a GPU.
     """
     graphdef = nnx.graphdef(blocks[0])
     states = [nnx.state(b) for b in blocks]

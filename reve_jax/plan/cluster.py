@@ -67,6 +67,9 @@ class ClusterConfig:
     min_hosts_frac: float = 0.9  # isolate-and-continue trains on no fewer than this share of `hosts`
     group_multiple: int = 1  # allowed group sizes are multiples of this (e.g. so the global batch divides)
     max_strikes: int = 3
+    # "cost": re-admit a repaired host only when it pays (PolicyConfig.host_mtbf_s from the failure rate above);
+    # "always": stop the group as soon as a repaired host would make it bigger.
+    readmit_rule: str = "cost"
 
     @property
     def horizon_s(self) -> float:
@@ -103,6 +106,11 @@ def policy_config(c: ClusterConfig, policy: str) -> PolicyConfig:
         # The simulated run is open-ended, and a crash loop is not modelled: never give up on progress.
         max_failures_without_progress=10**9,
     )
+    if c.readmit_rule not in ("cost", "always"):
+        raise ValueError(f"readmit_rule {c.readmit_rule!r} is not 'cost' or 'always'")
+    if c.readmit_rule == "cost" and c.failures_per_gpu_day > 0:
+        common["host_mtbf_s"] = 86_400.0 / (c.failures_per_gpu_day * c.gpus_per_host)
+        common["relaunch_estimate_s"] = c.stop_save_s + c.restart_s + c.restore_s + c.first_step_s
     if policy == "restart-all":
         return PolicyConfig(min_hosts=c.hosts, group_sizes=(c.hosts,), max_strikes=10**9, **common)
     if policy != "isolate":

@@ -110,14 +110,17 @@ def recommend(c: ClusterConfig, policy: str = "isolate", trace: Trace | None = N
 
 
 def compare_policies(c: ClusterConfig, spares: int = 0) -> dict[str, SimResult]:
-    """isolate-and-continue and restart-all on one failure trace (same seed), without spares, and with
-    `spares` extra hosts if > 0 (the first `c.hosts` hosts fail identically in both). Returns name -> result."""
+    """isolate-and-continue and restart-all on one failure trace (same seed), without spares (and isolate with
+    re-admission at once when `c` re-admits by cost), and with `spares` extra hosts if > 0 (the first `c.hosts`
+    hosts fail identically in both). Returns name -> result."""
     base = dataclasses.replace(c, spares=0)
     trace = draw_trace(base)
     out = {
         "isolate": simulate(base, "isolate", trace),
         "restart-all": simulate(base, "restart-all", trace),
     }
+    if c.readmit_rule == "cost":  # what the cost rule saves over stopping for every repaired host
+        out["isolate, re-admit always"] = simulate(dataclasses.replace(base, readmit_rule="always"), "isolate", trace)
     if spares > 0:
         extra = dataclasses.replace(c, spares=spares)
         trace = draw_trace(extra)
