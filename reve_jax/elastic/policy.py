@@ -40,8 +40,9 @@ class PolicyConfig:
     max_failures_without_progress: int = 5  # failures in a row that get no further than before: give up
     # Re-admission by cost: stop the group for a repaired host only when the added hosts would train longer before
     # the next failure-driven relaunch (expected host_mtbf_s / group size) than the stop idles the whole group
-    # (the mean of this run's measured relaunches; relaunch_estimate_s until one is measured). Otherwise the ready
-    # hosts wait and join at the next relaunch for free. host_mtbf_s = 0 (unknown): re-admit at once.
+    # (the mean of this run's measured relaunches, old group gone -> first step; relaunch_estimate_s until one is
+    # measured). Otherwise the ready hosts wait and join at the next relaunch for free. host_mtbf_s = 0 (unknown):
+    # re-admit at once.
     host_mtbf_s: float = 0.0
     relaunch_estimate_s: float = 300.0
 
@@ -213,7 +214,7 @@ class Policy:
         self.failures_without_progress = 0
         self.best_step = -1
         self.waiting_since: float | None = None
-        self.relaunch_s: list[float] = []  # measured relaunches: detection (or stop request) to the first step
+        self.relaunch_s: list[float] = []  # measured relaunches: old group gone -> the new group's first step
 
     # ----------------------------------------------------------------------------------------------- public
     def start(self, t: float) -> list[Action]:
@@ -566,7 +567,8 @@ class Policy:
                 },
             )
         )
-        self.relaunch_s.append(t - r.detect_t)
+        # The relaunch proper: old group gone -> new group's first step (a stop for re-admission trains until then).
+        self.relaunch_s.append(t - (r.down_t if r.down_t is not None else r.detect_t))
         self.recovery = None
 
     def _finish(self, status: str, reason: str, out: list[Action]) -> None:
