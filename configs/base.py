@@ -43,7 +43,7 @@ def get_config() -> ml_collections.ConfigDict:
     m.param_dtype = "float32"
     m.attention = "auto"  # auto (cudnn on GPU, xla elsewhere) | xla | cudnn
     m.remat = "none"  # none | block (recompute each block in the backward pass) | dots (keep matmul outputs only)
-    m.scan_layers = False  # lax.scan over blocks, weights stacked per step (no compile gain on CPU: performance.md)
+    m.scan_layers = False  # blocks stored stacked (leading `layers` axis) and run under lax.scan: compile time flat
     # TREAD token routing (training only): a random keep_ratio of image tokens go through blocks [start, end).
     m.route = ml_collections.ConfigDict()
     m.route.enabled = False
@@ -124,7 +124,7 @@ def get_config() -> ml_collections.ConfigDict:
     o.muon_scale = "moonlight"  # moonlight (0.2*sqrt(max(m,n)), AdamW lr carries over) | keller (sqrt(max(1,m/n)))
     o.muon_weight_decay = 0.0
     # Param paths (full match) given to Muon: attention and MLP kernels of the DiT blocks (and of both DDT towers).
-    o.muon_patterns = (r"((encoder|decoder)/)?blocks/\d+/(attn/(q|k|v|out)|mlp/(gate|up|down))/kernel",)
+    o.muon_patterns = (r"((encoder|decoder)/)?blocks/(\d+/)?(attn/(q|k|v|out)|mlp/(gate|up|down))/kernel",)
 
     c.ema = ml_collections.ConfigDict()
     c.ema.decays = (0.999,)  # one EMA of the parameters per decay; the first is used for sampling

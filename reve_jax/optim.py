@@ -97,7 +97,9 @@ def scale_by_muon(momentum: float, nesterov: bool, ns_steps: int, scale: str) ->
     """Muon's direction: momentum, Newton-Schulz orthogonalisation and the shape factor; no lr, no decay.
 
     Takes the momentum coefficient, whether to use Nesterov momentum, the Newton-Schulz step count and the
-    scale kind (see `muon_scale`); every leaf it sees must be 2D. Returns a GradientTransformation.
+    scale kind (see `muon_scale`); every leaf it sees must be 2D, or 3D: a stack of matrices over its leading
+    axis (the stacked blocks of `model.scan_layers`), each orthogonalised on its own. Returns a
+    GradientTransformation.
     """
     _check_choice("optim.muon_scale", scale, MUON_SCALES)
 
@@ -112,9 +114,12 @@ def scale_by_muon(momentum: float, nesterov: bool, ns_steps: int, scale: str) ->
         direction = jax.tree.map(lambda m, g: momentum * m + (1 - momentum) * g, mu, updates) if nesterov else mu
 
         def orthogonalise(d):
+            factor = jnp.asarray(muon_scale(d.shape[-2:], scale), d.dtype)
+            if d.ndim == 3:  # a stack of per-block matrices (model.scan_layers): each one on its own
+                return jax.vmap(lambda m: newton_schulz(m, ns_steps))(d) * factor
             if d.ndim != 2:
-                raise ValueError(f"Muon takes 2D weights, got a leaf of shape {d.shape}")
-            return newton_schulz(d, ns_steps) * jnp.asarray(muon_scale(d.shape, scale), d.dtype)
+                raise ValueError(f"Muon takes 2D weights (or stacks of them), got a leaf of shape {d.shape}")
+            return newton_schulz(d, ns_steps) * factor
 
         return jax.tree.map(orthogonalise, direction), MuonState(mu=mu)
 
@@ -146,7 +151,7 @@ def param_groups(optim_cfg, params) -> Any:
     same structure whose leaves are the labels. A leaf goes to Muon when optim.name == "muon" and its
     "/"-joined path (int keys stringified) fully matches one of `optim.muon_patterns` (fullmatch, so
     text_encoder/blocks/... stays AdamW).
-    Raises ValueError for an unknown optim.name or a matched leaf that is not 2D.
+    Raises ValueError for an unknown optim.name or a matched leaf that is neither 2D nor a 3D stack of blocks.
     """
     _check_choice("optim.name", optim_cfg.name, OPTIMIZERS)
     patterns = [re.compile(p) for p in optim_cfg.muon_patterns] if optim_cfg.name == "muon" else []
@@ -155,9 +160,9 @@ def param_groups(optim_cfg, params) -> Any:
         name = _path_str(path)
         if not any(p.fullmatch(name) for p in patterns):
             return "adamw"
-        if len(leaf.shape) != 2:
+        if len(leaf.shape) not in (2, 3):
             shape = tuple(leaf.shape)
-            raise ValueError(f"optim.muon_patterns matches {name} of shape {shape}; Muon needs 2D")
+            raise ValueError(f"optim.muon_patterns matches {name} of shape {shape}; Muon needs 2D (or a 3D stack)")
         return "muon"
 
     return jax.tree_util.tree_map_with_path(label, params)

@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 from util import tiny_config
 
-from reve_jax.model import routing
+from reve_jax.model import dit, routing
 from reve_jax.model.layers import apply_rope, patchify, rope_angles, unpatchify
 from reve_jax.train_state import build_model
 
@@ -206,13 +206,16 @@ def test_bf16_compute_keeps_fp32_params():
     ],
 )  # fmt: skip
 def test_scan_over_layers_matches_unrolled(overrides):
-    """model.scan_layers (with any remat policy) keeps the parameter tree and computes the same function and
-    gradients as the plain unrolled model."""
+    """model.scan_layers (stacked blocks under lax.scan, with any remat policy) computes the same function and
+    gradients as the plain unrolled model on the same weights, converted with stack_blocks."""
     plain = [o for o in overrides if not o.startswith("model.remat")]
     unrolled, scanned = tiny_config(*plain), tiny_config(*overrides, "model.scan_layers=True")
     graphdef, params = _perturbed(build_model(unrolled))
     graphdef_scan, params_scan = nnx.split(build_model(scanned))
-    assert jax.tree.structure(params) == jax.tree.structure(nnx.to_pure_dict(params_scan))
+    stacked = dit.stack_blocks(params)
+    assert jax.tree.structure(stacked) == jax.tree.structure(nnx.to_pure_dict(params_scan))
+    assert jax.tree.map(jnp.shape, stacked) == jax.tree.map(jnp.shape, nnx.to_pure_dict(params_scan))
+    assert jax.tree.structure(dit.unstack_blocks(stacked)) == jax.tree.structure(params)
     z, t, text = _inputs(unrolled)
     key = jax.random.key(5)
 
@@ -222,12 +225,31 @@ def test_scan_over_layers_matches_unrolled(overrides):
         return jnp.mean(jnp.square(out - z)) + extra, out
 
     (l0, out0), g0 = jax.value_and_grad(functools.partial(loss, graphdef), has_aux=True)(params)
-    (l1, out1), g1 = jax.value_and_grad(functools.partial(loss, graphdef_scan), has_aux=True)(params)
+    (l1, out1), g1 = jax.value_and_grad(functools.partial(loss, graphdef_scan), has_aux=True)(stacked)
     np.testing.assert_allclose(np.asarray(out1), np.asarray(out0), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(l1), float(l0), rtol=1e-5)
+    g1 = dit.unstack_blocks(g1)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-6)
-    # The scanned program really loops over blocks (random-key generation adds loops to both programs).
-    loops_scan = jax.jit(functools.partial(loss, graphdef_scan)).lower(params).as_text().count("stablehlo.while")
+    # The scanned program loops over blocks (random-key generation adds loops to both programs).
+    loops_scan = jax.jit(functools.partial(loss, graphdef_scan)).lower(stacked).as_text().count("stablehlo.while")
     loops_unrolled = jax.jit(functools.partial(loss, graphdef)).lower(params).as_text().count("stablehlo.while")
     assert loops_scan > loops_unrolled
+
+
+def test_scanned_blocks_carry_a_layers_axis_and_deeper_models_add_no_program():
+    """Stacked parameters: one leaf per weight with a leading `layers` logical axis (replicated by the default
+    rules); a deeper model's scanned program has no more matrix products."""
+    cfg = tiny_config("model.scan_layers=True", "model.depth=3")
+    state = nnx.state(build_model(cfg))
+    spec = nnx.get_partition_spec(state)
+    assert tuple(spec["blocks"]["attn"]["q"]["kernel"].get_value()) == ("layers", "embed", "heads")
+    assert state["blocks"]["attn"]["q"]["kernel"][...].shape[0] == 3
+
+    def program(depth):
+        c = tiny_config("model.scan_layers=True", f"model.depth={depth}")
+        gd, p = nnx.split(build_model(c))
+        z, t, text = _inputs(c)
+        return jax.jit(lambda p: _apply(gd, p, z, t, text)[0]).lower(nnx.to_pure_dict(p)).as_text()
+
+    assert program(2).count("dot_general") == program(6).count("dot_general")  # one block body either way

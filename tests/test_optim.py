@@ -353,3 +353,24 @@ def test_state_shapes_and_orbax_round_trip(tmp_path):
     assert jax.tree.structure(restored) == jax.tree.structure(state)
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_muon_on_stacked_blocks_equals_muon_per_block():
+    """model.scan_layers stores each block weight as one [depth, in, out] leaf (path blocks/<name>/...): Muon
+    labels it by the same pattern and orthogonalises every block's matrix on its own, as for blocks/<i>/..."""
+    per_block = {
+        "blocks": {i: {"attn": {"q": {"kernel": jax.ShapeDtypeStruct((16, 48), jnp.float32)}}} for i in range(3)}
+    }
+    stacked = {"blocks": {"attn": {"q": {"kernel": jax.ShapeDtypeStruct((3, 16, 48), jnp.float32)}}}}
+    cfg = make_cfg(name="muon", clip_norm=0.0, warmup_steps=0, lr=0.01)
+    assert optim.param_groups(cfg, stacked)["blocks"]["attn"]["q"]["kernel"] == "muon"
+    params, grads = random_like(per_block, 0), [random_like(per_block, 1 + i) for i in range(2)]
+    stack = lambda t: {"blocks": jax.tree.map(lambda *xs: jnp.stack(xs), *[t["blocks"][i] for i in range(3)])}  # noqa: E731
+    want = run(optim.build_optimizer(cfg, per_block, 10)[0], params, grads)
+    got = run(optim.build_optimizer(cfg, stacked, 10)[0], stack(params), [stack(g) for g in grads])
+    np.testing.assert_allclose(
+        np.asarray(got["blocks"]["attn"]["q"]["kernel"]),
+        np.asarray(stack(want)["blocks"]["attn"]["q"]["kernel"]),
+        rtol=1e-5,
+        atol=1e-6,
+    )

@@ -8,7 +8,7 @@ import jax
 import pytest
 from util import tiny_config
 
-from reve_jax import config, sharding
+from reve_jax import config, sharding, train_state
 from reve_jax.plan import memory
 
 MIB = 2**20
@@ -76,3 +76,13 @@ def _script(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_state_sizer_counts_one_block_in_either_layout():
+    """The activation-memory formula needs one block's weights: the same with model.scan_layers' stacked blocks."""
+    counts = []
+    for scan in (False, True):
+        cfg = tiny_config("model.depth=3", f"model.scan_layers={scan}")
+        setup = train_state.make_setup(cfg, sharding.make_mesh(cfg.mesh))
+        counts.append(memory.StateSizer(setup).block_params)
+    assert counts[0] == counts[1] > 0

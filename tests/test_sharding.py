@@ -6,6 +6,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 from util import tiny_config
 
 from reve_jax import optim, sharding, train_state
@@ -59,9 +60,10 @@ def _one_step(cfg, devices, batch):
     return jax.device_get(state), jax.device_get(metrics)
 
 
-def test_step_on_8_devices_equals_step_on_1_device():
-    cfg8 = tiny_config(*MESH, "model.width=64", "model.heads=4", "optim.name='muon'")
-    cfg1 = tiny_config("model.width=64", "model.heads=4", "optim.name='muon'")
+@pytest.mark.parametrize("layout", [(), ("model.scan_layers=True",)], ids=["unrolled", "scan"])
+def test_step_on_8_devices_equals_step_on_1_device(layout):
+    cfg8 = tiny_config(*MESH, "model.width=64", "model.heads=4", "optim.name='muon'", *layout)
+    cfg1 = tiny_config("model.width=64", "model.heads=4", "optim.name='muon'", *layout)
     it = pipeline.make_batch_iterator(cfg8.data, cfg8.text.max_len, 8, 0, 1, 0)
     batch = {k: v for k, v in next(it).items() if k != "index"}
     s8, m8 = _one_step(cfg8, jax.devices(), batch)

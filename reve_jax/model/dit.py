@@ -40,28 +40,23 @@ def _remat(fn, remat: str):
     return fn
 
 
-def run_blocks(blocks, seq, c, angles, lengths, *, remat: str = "none", scan: bool = False):
-    """Applies `blocks` (identical structure) in order to the joint sequence `seq`.
+def run_blocks(graphdef, states, seq, c, angles, lengths, *, remat: str = "none", stacked: bool = False):
+    """Applies blocks of structure `graphdef` in order to the joint sequence `seq`.
 
-    Unrolled, XLA compiles every block separately. With `scan`, the blocks' weights are stacked for this call (the
-    parameter tree keeps one entry per block, so checkpoints, optimizer groups and sharding rules do not change
-    with the option) and one block body runs under `lax.scan`, for one copy of the blocks' weights per step. On
-    CPU this did not shorten compilation (the per-block optimizer, EMA and norm updates stay; see
-    docs/performance.md), so it stays off by default until measured on a GPU.
+    `states`: a list of per-block states (unrolled: XLA compiles every block separately), or with `stacked` one
+    state whose leaves carry a leading block axis (`model.scan_layers`): one block body under `lax.scan`, so the
+    program, and its compile time, stop growing with depth.
     """
-    graphdef = nnx.graphdef(blocks[0])
-    states = [nnx.state(b) for b in blocks]
 
     def call(state, x):
         return nnx.merge(graphdef, state)(x, c, angles, lengths)
 
     call = _remat(call, remat)
-    if not scan or len(blocks) == 1:
-        for state in states:
-            seq = call(state, seq)
+    if stacked:
+        seq, _ = jax.lax.scan(lambda x, state: (call(state, x), None), seq, states)
         return seq
-    stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-    seq, _ = jax.lax.scan(lambda x, state: (call(state, x), None), seq, stacked)
+    for state in states:
+        seq = call(state, seq)
     return seq
 
 
@@ -154,12 +149,18 @@ class DiT(nnx.Module):
         self.time_embed = TimeEmbed(width, **kw)
         self.text = TextConditioner(cfg, vocab_size, width, with_encoder=with_text_encoder, **kw)
         hidden = swiglu_hidden(width, m.mlp_ratio, m.mlp_multiple_of)
-        self.blocks = nnx.List(
-            [
-                DiTBlock(width, heads, hidden, qk_norm=m.qk_norm, eps=m.norm_eps, impl=m.attention, **kw)
-                for _ in range(depth)
-            ]
-        )
+        block_kw = dict(qk_norm=m.qk_norm, eps=m.norm_eps, impl=m.attention, dtype=dtype, param_dtype=param_dtype)
+        if self.scan_layers:  # one module whose parameters carry a leading `layers` axis (depth blocks)
+
+            @nnx.split_rngs(splits=depth)
+            @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+            def stacked_blocks(block_rngs):
+                return DiTBlock(width, heads, hidden, rngs=block_rngs, **block_kw)
+
+            self.blocks = stacked_blocks(rngs)
+        else:
+            self.blocks = nnx.List([DiTBlock(width, heads, hidden, rngs=rngs, **block_kw) for _ in range(depth)])
+        self.depth = depth
         self.final = FinalLayer(width, self.out_patch * self.out_patch * 3, eps=m.norm_eps, **kw)
         lo = cfg.loss
         self.repa_proj = (
@@ -211,7 +212,7 @@ class DiT(nnx.Module):
         aux = {}
         # Blocks run in segments between the points where the token set changes (TREAD's span) or is read (REPA);
         # within a segment the joint [image, text] sequence stays joined.
-        depth = len(self.blocks)
+        depth = self.depth
         cuts = {0, depth, self.repa_block + 1} | ({self.route_start, self.route_end} if routed else set())
         cuts = sorted(i for i in cuts if 0 <= i <= depth)
         for lo, hi in zip(cuts[:-1], cuts[1:], strict=True):
@@ -226,8 +227,14 @@ class DiT(nnx.Module):
                 angles = angles_for(pos)
             n_img = x.shape[1]
             seq = jnp.concatenate([x, txt.astype(x.dtype)], axis=1)
-            blocks = [self.blocks[i] for i in range(lo, hi)]
-            seq = run_blocks(blocks, seq, c, angles, lengths + n_img, remat=self.remat, scan=self.scan_layers)
+            if self.scan_layers:
+                graphdef, stacked = nnx.split(self.blocks)
+                states = jax.tree.map(lambda a: a[lo:hi], stacked)  # noqa: B023 (used at once)
+            else:
+                graphdef, states = nnx.graphdef(self.blocks[lo]), [nnx.state(self.blocks[i]) for i in range(lo, hi)]
+            seq = run_blocks(
+                graphdef, states, seq, c, angles, lengths + n_img, remat=self.remat, stacked=self.scan_layers
+            )
             x, txt = seq[:, :n_img], seq[:, n_img:]
             if hi - 1 == self.repa_block:
                 aux["repa"] = self.repa_proj(x) if self.repa_proj is not None else x
@@ -277,3 +284,37 @@ class DDT(nnx.Module):
             z, t, text, drop=drop, route_key=route_key, feats=feats, extra=(self.plan_proj(plan), plan_pos)
         )
         return out, dict(aux, enc_out=enc_out)
+
+
+def stack_blocks(params: dict) -> dict:
+    """Converts a pure-dict params tree (`nnx.to_pure_dict`) from the per-block layout (`blocks/<i>/...`) to the
+    stacked one of `model.scan_layers=True` (`blocks/...` with a leading block axis); e.g. to resume a checkpoint's
+    weights under the other layout. Other parts of the tree (the text encoder's own blocks too) are unchanged."""
+    return _map_towers(params, lambda blocks: jax.tree.map(lambda *xs: jnp.stack(xs), *_in_order(blocks)))
+
+
+def unstack_blocks(params: dict) -> dict:
+    """The inverse of `stack_blocks`: `blocks/...` [depth, ...] -> `blocks/<i>/...`."""
+
+    def split(stacked):
+        depth = jax.tree.leaves(stacked)[0].shape[0]
+        return {i: jax.tree.map(lambda a, i=i: a[i], stacked) for i in range(depth)}
+
+    return _map_towers(params, split)
+
+
+def _in_order(blocks: dict) -> list:
+    keys = sorted(blocks, key=int)
+    if [int(k) for k in keys] != list(range(len(keys))):
+        raise ValueError(f"expected blocks 0..n-1 in the per-block layout, got keys {keys}")
+    return [blocks[k] for k in keys]
+
+
+def _map_towers(params: dict, fn) -> dict:
+    out = dict(params)
+    if "blocks" in out:  # a DiT
+        out["blocks"] = fn(out["blocks"])
+    for tower in ("decoder", "encoder"):  # a DDT
+        if tower in out and "blocks" in out[tower]:
+            out[tower] = {**out[tower], "blocks": fn(out[tower]["blocks"])}
+    return out

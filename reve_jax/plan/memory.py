@@ -79,9 +79,12 @@ class StateSizer:
         model = nnx.merge(setup.graphdef, self.abstract["params"])
         self.logical = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(model)))
         blocks = self.abstract["params"].get("blocks", {})
-        self.block_params = max(
-            (sum(math.prod(a.shape) for a in jax.tree.leaves(b)) for b in blocks.values()), default=0
-        )
+        if self.cfg.model.scan_layers:  # one stacked module: every leaf has a leading [depth] axis
+            self.block_params = sum(math.prod(a.shape) for a in jax.tree.leaves(blocks)) // self.cfg.model.depth
+        else:
+            self.block_params = max(
+                (sum(math.prod(a.shape) for a in jax.tree.leaves(b)) for b in blocks.values()), default=0
+            )
 
     def bytes_for(self, shape: tuple[int, int, int]) -> dict[str, int]:
         """`state_bytes` of the state sharded on a (data, fsdp, tensor) mesh of `shape`."""
