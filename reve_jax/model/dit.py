@@ -229,7 +229,7 @@ class DiT(nnx.Module):
             seq = jnp.concatenate([x, txt.astype(x.dtype)], axis=1)
             if self.scan_layers:
                 graphdef, stacked = nnx.split(self.blocks)
-                states = jax.tree.map(lambda a: a[lo:hi], stacked)  # noqa: B023 (used at once)
+                states = jax.tree.map(lambda a, lo=lo, hi=hi: a[lo:hi], stacked)
             else:
                 graphdef, states = nnx.graphdef(self.blocks[lo]), [nnx.state(self.blocks[i]) for i in range(lo, hi)]
             seq = run_blocks(
