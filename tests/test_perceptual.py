@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch  # a test requirement (requirements-dev.txt)
 from flax import nnx
+from util import load_script
 
 from reve_jax.perceptual import (
     convert_dinov2,
@@ -380,11 +381,7 @@ def test_cli_converts(tmp_path, tiny_lpips):
     vgg, heads, net, _ = tiny_lpips
     torch.save(vgg.state_dict(), tmp_path / "vgg.pth")
     torch.save({f"lin{i}.model.1.weight": w for i, w in enumerate(heads)}, tmp_path / "lin.pth")
-    spec = importlib.util.spec_from_file_location(
-        "convert_weights", Path(__file__).resolve().parents[1] / "scripts" / "convert_weights.py"
-    )
-    cli = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(cli)
+    cli = load_script("convert_weights")
     out = cli.main(
         [
             "lpips",

@@ -1,12 +1,9 @@
 """The memory plan: state bytes from abstract shardings on meshes of any size, the activation formula, the
 check against XLA's compiled memory analysis on 8 CPU devices, and the search for what fits."""
 
-import importlib.util
-from pathlib import Path
-
 import jax
 import pytest
-from util import tiny_config
+from util import load_script, tiny_config
 
 from reve_jax import config, sharding, train_state
 from reve_jax.plan import memory
@@ -63,19 +60,9 @@ def test_a_plan_that_does_not_fit_says_what_would(capsys):
     assert costs == sorted(costs)
 
     gib = budget / 0.9 / memory.GIB
-    _script("plan").main(["--config", "configs/tiny.py", "--devices", "8", "--gpu-mem-gib", str(gib), *overrides])
+    load_script("plan").main(["--config", "configs/tiny.py", "--devices", "8", "--gpu-mem-gib", str(gib), *overrides])
     text = capsys.readouterr().out
     assert "DOES NOT FIT" in text and f"would fit with: {memory.overrides_for(fit)}" in text
-
-
-def _script(name: str):
-    """scripts/<name>.py as a module."""
-    spec = importlib.util.spec_from_file_location(
-        f"{name}_script", Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_state_sizer_counts_one_block_in_either_layout():

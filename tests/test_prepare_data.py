@@ -10,7 +10,7 @@ import tarfile
 import numpy as np
 import pytest
 from PIL import Image
-from util import tiny_config
+from util import load_script, tiny_config
 
 from reve_jax import trainer
 from reve_jax.data import buckets, pipeline, prepare, shards, tokenizer
@@ -332,9 +332,7 @@ def test_aspect_buckets_and_resolution_stages(tmp_path):
 
 
 def test_train_steps_on_synthetic_shards_with_minilm_embeddings(tmp_path):
-    spec = importlib.util.spec_from_file_location("prepare_data_script", ROOT / "scripts" / "prepare_data.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("prepare_data")
     out = tmp_path / "synth"
     argv = ["synthetic", "--num", "24", "--image-size", "16", "--max-objects", "1", "--out", str(out)]
     manifest = script.main(argv + ["--encoder", "minilm", "--max-len", "16", "--encode-batch", "8", "--workers", "0"])

@@ -3,11 +3,10 @@ detection latencies from the policy's timeouts, the checkpoint interval against 
 isolate-and-continue against restart-all on one failure trace."""
 
 import dataclasses
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
+from util import load_script
 
 from reve_jax.plan import cluster, interval, report, sim
 
@@ -101,18 +100,8 @@ def test_isolate_beats_restart_all_on_the_same_trace():
 
 def test_cli_runs_and_reports(tmp_path, capsys):
     out = tmp_path / "sim.json"
-    _script("simulate_cluster").main(
+    load_script("simulate_cluster").main(
         ["--hosts", "16", "--days", "5", "--failures-per-gpu-day", "0.01", "--json", str(out)]
     )
     text = capsys.readouterr().out
     assert "goodput" in text and "rework" in text and out.exists()
-
-
-def _script(name: str):
-    """scripts/<name>.py as a module."""
-    spec = importlib.util.spec_from_file_location(
-        f"{name}_script", Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

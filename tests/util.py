@@ -1,5 +1,8 @@
 """Small configs for tests: a few-thousand-parameter DiT on 16 px images that compiles in seconds."""
 
+import importlib.util
+from pathlib import Path
+
 from reve_jax.config import apply_override, load_config, validate
 
 TINY = [
@@ -36,3 +39,12 @@ def tiny_config(*overrides: str, base: str = "configs/tiny.py"):
         apply_override(cfg, item)
     validate(cfg)
     return cfg
+
+
+def load_script(name: str):
+    """scripts/<name>.py as a module (the scripts are not a package), so a test can call its main(argv)."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

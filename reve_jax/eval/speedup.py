@@ -36,7 +36,7 @@ import numpy as np
 
 from reve_jax import config as config_lib
 from reve_jax import flops, sharding, train_state, viz
-from reve_jax.data import pipeline, synthetic
+from reve_jax.data import pipeline
 from reve_jax.eval import alignment, features, quality
 from reve_jax.eval.report import write_outputs
 
@@ -482,8 +482,7 @@ def rescore(out_dir: str | Path, log: Callable[[str], None] = print) -> dict:
         npz = out / "runs" / f"{key}.npz"
         if not npz.exists():
             raise FileNotFoundError(f"{npz} not found: run {key} kept no images, so it cannot be rescored")
-        data = json.loads(rec["config"])["data"]
-        ds = synthetic.SyntheticShapes(data["image_size"], data["num_samples"], data["seed"], data["max_objects"])
+        ds = pipeline.dataset_from_config(config_lib.from_json(rec["config"]).data)
         with np.load(npz) as saved:
             scenes = [ds.scene(int(i)) for i in saved["index"]]
             for point in rec["curve"]:
