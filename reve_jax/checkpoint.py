@@ -66,6 +66,15 @@ class Checkpointer:
     def restore_meta(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
+    def restore(self, step: int, abstract_state) -> tuple[object, dict]:
+        """Restore checkpoint `step` onto the shardings carried by `abstract_state`; returns (state, meta). Raises
+        whatever Orbax raises for unreadable files (nothing is moved)."""
+        restored = self.manager.restore(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()),
+        )
+        return restored["state"], dict(restored["meta"])
+
     def restore_latest(self, abstract_state) -> tuple[object, dict] | None:
         """Restore the newest checkpoint that loads, onto the shardings carried by `abstract_state` (a pytree of
         jax.ShapeDtypeStruct with `sharding`). Returns (state, meta), or None when there is no checkpoint.
@@ -74,13 +83,7 @@ class Checkpointer:
         result = None
         for step in reversed(self.steps()):
             try:
-                restored = self.manager.restore(
-                    step,
-                    args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
-                    ),
-                )
-                result = (restored["state"], dict(restored["meta"]))
+                result = self.restore(step, abstract_state)
                 break
             except Exception as e:  # any failure to read means this step is unusable; keep the files
                 log.warning(

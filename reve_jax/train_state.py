@@ -50,8 +50,9 @@ def ema_keys(cfg) -> list[str]:
     return [f"ema{i}" for i in range(len(cfg.ema.decays))]
 
 
-def make_setup(cfg, mesh) -> Setup:
-    """Derive graph, optimizer, shardings and abstract state from the config, without allocating weights."""
+def make_setup(cfg, mesh, *, frozen: bool = True) -> Setup:
+    """Derive graph, optimizer, shardings and abstract state from the config, without allocating weights.
+    `frozen=False` skips loading the perceptual networks (for tools that only move the state around)."""
     abstract_model = nnx.eval_shape(lambda: build_model(cfg))
     graphdef, abstract_vars = nnx.split(abstract_model)
     logical = nnx.to_pure_dict(nnx.get_partition_spec(abstract_vars))
@@ -78,8 +79,8 @@ def make_setup(cfg, mesh) -> Setup:
     }
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_shardings)
     labels = optim.param_groups(cfg.optim, abstract_params)
-    frozen = losses.load_frozen(cfg, mesh)
-    return Setup(cfg, mesh, graphdef, opt, schedule, abstract, state_shardings, labels, frozen)
+    nets = losses.load_frozen(cfg, mesh) if frozen else losses.FrozenNets({}, {})
+    return Setup(cfg, mesh, graphdef, opt, schedule, abstract, state_shardings, labels, nets)
 
 
 def init_state(setup: Setup) -> dict:

@@ -83,6 +83,11 @@ STATE_KEYS = (
 )
 
 
+# State keys that change the layout of the same weights, not their values: scripts/convert_checkpoint.py moves a
+# workdir across them.
+LAYOUT_KEYS = ("model.scan_layers", "optim.muon_patterns")
+
+
 def _flatten(node, prefix=""):
     if isinstance(node, dict):
         out = {}
@@ -92,20 +97,30 @@ def _flatten(node, prefix=""):
     return {prefix[:-1]: node}
 
 
+def state_key_changes(cfg, saved_json: str) -> dict[str, tuple]:
+    """The STATE_KEYS entries whose values differ between a saved config (JSON) and `cfg`: key -> (saved, now)."""
+    now = _flatten(json.loads(config.to_json(cfg)))
+    then = _flatten(json.loads(saved_json))
+    return {
+        k: (then.get(k), now.get(k)) for k in sorted(set(now) | set(then))
+        if any(k == p or k.startswith(p + ".") for p in STATE_KEYS) and now.get(k) != then.get(k)
+    }  # fmt: skip
+
+
 def check_compatible(cfg, saved_json: str) -> None:
     """Raise CheckpointError naming the differing keys when a workdir's checkpoints were written with a config
     whose train state has another structure (another model size, optimizer, EMA count)."""
-    now = _flatten(json.loads(config.to_json(cfg)))
-    then = _flatten(json.loads(saved_json))
-    differ = sorted(
-        k for k in set(now) | set(then)
-        if any(k == p or k.startswith(p + ".") for p in STATE_KEYS) and now.get(k) != then.get(k)
-    )  # fmt: skip
+    differ = state_key_changes(cfg, saved_json)
     if differ:
-        detail = ", ".join(f"{k}: saved {then.get(k)!r}, now {now.get(k)!r}" for k in differ[:6])
+        detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in list(differ.items())[:6])
+        hint = (
+            " To continue this run under the new layout, write a converted copy with scripts/convert_checkpoint.py."
+            if set(differ) <= set(LAYOUT_KEYS)
+            else ""
+        )
         raise checkpoint.CheckpointError(
             f"the checkpoints in this workdir were written by a different model or optimizer ({detail}). "
-            "Resume with the same config, or train in a new --workdir; nothing was changed."
+            f"Resume with the same config, or train in a new --workdir; nothing was changed.{hint}"
         )
 
 

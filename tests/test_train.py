@@ -157,3 +157,5 @@ def test_resuming_with_another_model_is_refused_and_keeps_the_checkpoints(tmp_pa
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == before
     assert not (tmp_path / "checkpoints_corrupt").exists()
     trainer.check_compatible(tiny_config("optim.lr=1e-5"), (tmp_path / "config.json").read_text())  # lr may change
+    with pytest.raises(CheckpointError, match="model.scan_layers: saved False, now True.*convert_checkpoint.py"):
+        trainer.check_compatible(tiny_config("model.scan_layers=True"), (tmp_path / "config.json").read_text())

@@ -1,0 +1,37 @@
+"""Convert a run's newest checkpoint to another parameter layout, into a new workdir, and resume there.
+
+    python scripts/convert_checkpoint.py --src runs/a --dst runs/a_scan --config.model.scan_layers=True
+    python scripts/train.py --config configs/base.py --workdir runs/a_scan --config.model.scan_layers=True
+
+May change `model.scan_layers` (per-block <-> stacked blocks) and `optim.muon_patterns` (a pattern that selects
+the same weights). The source is only read; the destination must hold no checkpoint. See reve_jax/convert.py.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from reve_jax import checkpoint, cli, config, convert  # noqa: E402
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--src", required=True, help="workdir of the run to convert (only read)")
+    parser.add_argument("--dst", required=True, help="new workdir that receives the converted checkpoint")
+    args, overrides = parser.parse_known_args(argv)
+    cli.setup_logging()
+    bad = [o for o in overrides if not o.startswith("--config.")]
+    if bad:
+        sys.exit(f"error: unrecognised arguments {bad}; changes look like --config.model.scan_layers=True")
+    try:
+        summary = convert.convert_workdir(args.src, args.dst, overrides)
+    except (convert.ConversionError, checkpoint.CheckpointError, config.ConfigError) as e:
+        sys.exit(f"conversion error: {e}")
+    print(f"wrote step {summary['step']} ({summary['leaves']} arrays) to {args.dst}; changed: {summary['changed']}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()
