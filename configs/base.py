@@ -75,7 +75,8 @@ def get_config() -> ml_collections.ConfigDict:
     d.num_samples = 1_000_000  # size of the index space; the order is a fresh permutation each epoch
     d.max_objects = 3
     d.path = ""  # shards directory (data.name=shards)
-    d.worker_threads = 2  # grain read threads per process
+    d.worker_threads = 2  # grain read threads per process (each builds whole batches)
+    d.worker_processes = 0  # grain worker processes (0: none); for hosts where the GIL-bound decode starves the step
     d.prefetch = 2  # batches prefetched ahead of the step
     d.stages = ()  # resolution stages ((start_step, shards dir | image size), ...), first at 0; () = one stage
 

@@ -128,6 +128,9 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         raise ConfigError(f"model.heads={m.heads} does not divide model.width={m.width}")
     if (m.width // m.heads) % 4:
         raise ConfigError(f"head dim model.width/model.heads={m.width // m.heads} must be divisible by 4 (2D RoPE)")
+    for key in ("worker_threads", "worker_processes", "prefetch"):
+        if d[key] < 0:
+            raise ConfigError(f"data.{key}={d[key]} must be >= 0")
     if d.image_size % m.patch:
         raise ConfigError(f"data.image_size={d.image_size} is not divisible by model.patch={m.patch}")
     if cfg.text.width % cfg.text.heads or (cfg.text.width // cfg.text.heads) % 4:

@@ -15,6 +15,16 @@ import jax
 import jax.numpy as jnp
 
 
+def to_unit(image):
+    """Pixels uint8 [0, 255] -> float32 [-1, 1] (numpy or jax arrays); floating inputs are taken as already in
+    [-1, 1] and only cast. The data pipeline ships uint8 (a quarter of the bytes to copy and batch on the host) and
+    the train step converts on the device. Division (not multiplication by 2/255) keeps 0 -> -1 and 255 -> 1
+    exact."""
+    if image.dtype == jnp.uint8:
+        return image.astype(jnp.float32) / jnp.float32(127.5) - jnp.float32(1.0)
+    return image.astype(jnp.float32)
+
+
 def _bcast(t: jax.Array, x: jax.Array) -> jax.Array:
     return t.reshape(t.shape + (1,) * (x.ndim - t.ndim))
 

@@ -121,7 +121,7 @@ def make_loss_fn(setup: Setup):
 
     def loss_fn(params, batch, key, frozen):
         model = nnx.merge(graphdef, params)
-        x = batch["image"]
+        x = diffusion.to_unit(batch["image"])  # uint8 from the pipeline
         b = x.shape[0]
         k_t, k_noise, k_drop, k_route = jax.random.split(key, 4)
         t = diffusion.sample_t(k_t, b, dcfg)

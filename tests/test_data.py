@@ -184,15 +184,14 @@ def test_batch_contract():
     cfg = _data_cfg()
     (b,) = _take(pipeline.make_batch_iterator(cfg, 32, 8, 0, 1, 0), 1)
     assert set(b) == {"image", "tokens", "text_mask", "index"}
-    assert b["image"].dtype == np.float32 and b["image"].shape == (8, 12, 12, 3)
-    assert b["image"].min() >= -1.0 and b["image"].max() <= 1.0
+    assert b["image"].dtype == np.uint8 and b["image"].shape == (8, 12, 12, 3)
     assert b["tokens"].dtype == np.int32 and b["tokens"].shape == (8, 32)
     assert b["text_mask"].dtype == bool and b["index"].dtype == np.int64
     ds = pipeline.dataset_from_config(cfg)
     np.testing.assert_array_equal(b["index"], pipeline.GlobalOrder(24, cfg.seed)(np.arange(8)))
     for row, i in enumerate(b["index"]):
         s = ds[int(i)]
-        np.testing.assert_allclose(b["image"][row], s["image"] / 127.5 - 1.0, atol=1e-6)
+        np.testing.assert_array_equal(b["image"][row], s["image"])
         assert tokenizer.decode(b["tokens"][row], b["text_mask"][row]) == s["caption"]
     assert pipeline.captions_of(ds, b["index"]) == [ds.caption(int(i)) for i in b["index"]]
 
@@ -209,6 +208,20 @@ def test_resume_matches_a_fresh_iterator():
     fresh = _take(pipeline.make_batch_iterator(cfg, 32, 8, 0, 1, 0), 5)
     resumed = _take(pipeline.make_batch_iterator(cfg, 32, 8, 0, 1, 16), 3)
     _assert_batches_equal(fresh[2:], resumed)
+
+
+def test_batches_do_not_depend_on_worker_threads_or_processes():
+    """A whole batch is one Grain element, so any number of threads or worker processes builds the same batches
+    (the processes' batches are read back in order), from the start and from a resumed position."""
+    reference = _take(pipeline.make_batch_iterator(_data_cfg(worker_threads=0), 32, 8, 0, 1, 0), 5)
+    _assert_batches_equal(
+        _take(pipeline.make_batch_iterator(_data_cfg(worker_threads=3), 32, 8, 0, 1, 0), 5), reference
+    )
+    it = pipeline.make_batch_iterator(_data_cfg(worker_threads=1, worker_processes=2, prefetch=2), 32, 8, 0, 1, 16)
+    try:
+        _assert_batches_equal(_take(it, 3), reference[2:])
+    finally:
+        it.close()
 
 
 def test_epoch_covers_every_index_once_and_is_endless():

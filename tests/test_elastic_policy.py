@@ -302,7 +302,8 @@ def test_readmit_by_cost_waits_for_the_next_relaunch_when_a_stop_does_not_pay(ho
     """With host_mtbf_s known, a repaired host stops the group only if 1 more host x (mtbf / 4 hosts) of training
     beats 4 hosts idle for a relaunch (measured: ~3 s here). Rarely failing hosts: stop at once; often failing
     ones: the ready host waits and joins when the next failure relaunches the group anyway."""
-    r = Run(probe_interval=2.0, ckpt_every=10, host_mtbf_s=host_mtbf_s, relaunch_estimate_s=1e6)
+    # A fixed MTBF (a prior worth 1e12 failures): the rule alone, without learning from the failure below.
+    r = Run(probe_interval=2.0, ckpt_every=10, host_mtbf_s=host_mtbf_s, host_mtbf_weight=1e12, relaunch_estimate_s=1e6)
     r.train(4)
     r.feed(P.Exit(r.t, 0, "h2", 1))
     r.tick(1.0)
@@ -331,3 +332,22 @@ def test_readmit_by_cost_decision_scales_with_cluster_size():
     assert not pol.readmit_pays(1249, 1250)
     assert not pol.readmit_pays(1222, 1250) and pol.readmit_pays(1220, 1250)
     assert P.Policy(["a", "b"], P.PolicyConfig()).readmit_pays(1249, 1250)  # unknown MTBF: always
+
+
+@pytest.mark.parametrize("weight", [1.0, 1e12])
+def test_mtbf_estimate_learns_from_the_runs_own_failures(weight):
+    """The cost rule's MTBF starts at host_mtbf_s and moves to host-seconds per failure as the run sees them
+    (prior worth `weight` failures): an optimistic guess stops paying for a stop once hosts are seen failing."""
+    r = Run(probe_interval=2.0, ckpt_every=10, host_mtbf_s=400.0, host_mtbf_weight=weight, relaunch_estimate_s=1.0)
+    assert r.policy.host_mtbf_estimate() == 400.0
+    r.train(4)  # t = 4: 4 hosts x 4 s
+    r.feed(P.Exit(r.t, 0, "h2", 1))
+    r.tick(1.0)  # blamed at t = 5, after the exit window: 4 hosts x 5 s in the failed group
+    r.exit_all(-9)
+    r.train(3, start=0)  # 3 hosts x 3 s in the new one
+    assert r.policy.exposure_s == pytest.approx(4 * 5 + 3 * 3) and r.policy.group_failures == 1
+    assert r.policy.host_mtbf_estimate() == pytest.approx((weight * 400.0 + 29.0) / (weight + 1))
+    assert r.policy.relaunch_s == [pytest.approx(1.0)]
+    # 16 hosts: one more host for mtbf/16 s pays for 16 hosts idle 1 s when mtbf >= 256 s: the fixed guess (400 s)
+    # says yes, the learned estimate ((400 + 29) / 2 = 214.5 s) says no.
+    assert r.policy.readmit_pays(15, 16) == (weight > 1)

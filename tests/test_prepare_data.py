@@ -146,7 +146,7 @@ def test_folder_round_trip_skips_bad_input_and_reads_back_through_the_pipeline(f
         assert set(b) == {"image", "tokens", "text_mask", "index"}
         for row, i in enumerate(b["index"]):
             rec = src[int(i)]
-            np.testing.assert_array_equal(b["image"][row], rec["image"] / np.float32(127.5) - np.float32(1.0))
+            np.testing.assert_array_equal(b["image"][row], rec["image"])
             assert tokenizer.decode(b["tokens"][row], b["text_mask"][row]) == rec["caption"]
         assert pipeline.captions_of(src, b["index"]) == [src[int(i)]["caption"] for i in b["index"]]
     parts = [_take(pipeline.make_batch_iterator(cfg, 16, 10, p, 2, 10), 2) for p in range(2)]

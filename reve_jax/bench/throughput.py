@@ -114,7 +114,7 @@ def random_batch(cfg, seed: int = 0) -> dict[str, np.ndarray]:
     b, s, L = cfg.train.global_batch, cfg.data.image_size, cfg.text.max_len
     lengths = rng.integers(1, L + 1, b)
     batch = {
-        "image": rng.uniform(-1, 1, (b, s, s, 3)).astype(np.float32),
+        "image": rng.integers(0, 256, (b, s, s, 3), dtype=np.uint8),
         "text_mask": np.arange(L)[None] < lengths[:, None],
     }
     if cfg.text.encoder == "builtin":

@@ -361,8 +361,9 @@ def _resolve_text(stages: Sequence[Stage], text_max_len: int, text_cfg: Any) -> 
 
 @dataclasses.dataclass(frozen=True)
 class _LoadSample:
-    """Grain map: local element number -> one sample dict (image f32 in [-1,1], tokens or text_emb, text_mask,
-    index)."""
+    """Grain map: local batch number -> this process's rows of that global batch (image uint8, tokens or
+    text_emb, text_mask, index). A whole batch is one element, so worker threads or processes each build whole
+    batches and the batches do not depend on how many there are."""
 
     stages: tuple[Stage, ...]
     text_max_len: int
@@ -371,19 +372,31 @@ class _LoadSample:
     first_row: int  # p * B/n
     first_batch: int  # start_position // B
 
-    def __call__(self, element: int) -> dict[str, np.ndarray]:
-        g, j = divmod(int(element), self.local_batch)
-        g += self.first_batch
+    def sample(self, g: int, j: int) -> dict[str, np.ndarray]:
+        """Row j of this process's slice of global batch g."""
         stage = self.stages[_stage_index(self.stages, g)]
         index = stage.order(g - stage.start_step, self.first_row + j)
         sample = stage.dataset[index]
-        # Division (not multiplication by 2/255) keeps 0 -> -1 and 255 -> 1 exact.
-        image = sample["image"].astype(np.float32) / np.float32(127.5) - np.float32(1.0)
+        image = np.asarray(sample["image"], np.uint8)  # the step scales it to [-1, 1] (diffusion.to_unit)
         if self.use_emb:
             emb, mask = _pad_emb(sample["text_emb"], self.text_max_len)
             return {"image": image, "text_emb": emb, "text_mask": mask, "index": np.int64(index)}
         tokens, mask = tokenizer.encode(sample["caption"], self.text_max_len)
         return {"image": image, "tokens": tokens, "text_mask": mask, "index": np.int64(index)}
+
+    def __call__(self, element: int) -> dict[str, np.ndarray]:
+        """Local batch number `element` (from the start position on): this process's rows, stacked."""
+        g = int(element) + self.first_batch
+        rows = [self.sample(g, j) for j in range(self.local_batch)]
+        return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def _absl_flags_ready() -> None:
+    """Grain's worker processes read absl flags, which only `absl.app.run` parses: take the defaults otherwise."""
+    from absl import flags
+
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
 
 
 def make_batch_iterator(
@@ -408,10 +421,11 @@ def make_batch_iterator(
       start_position: samples already consumed; a multiple of `global_batch`.
       text_cfg: the `text` config, optional: with it, text.encoder decides tokens vs embeddings and
         text.emb_dim is checked; without it, records with embeddings give embeddings.
-    Yields dicts of numpy arrays with leading dim b = global_batch // process_count: `image` f32 [b,H,W,3]
-    in [-1, 1]; `tokens` i32 [b,L] or `text_emb` f32 [b,L,D]; `text_mask` bool [b,L]; `index` i64 [b] (the
-    sample's index in its stage's dataset). H, W are data.image_size, or the bucket of that global batch
-    (`batch_image_shape`). After k batches the global position is start_position + k * global_batch.
+    Yields dicts of numpy arrays with leading dim b = global_batch // process_count: `image` uint8 [b,H,W,3]
+    (pixels; the train step maps them to [-1, 1] with `diffusion.to_unit`); `tokens` i32 [b,L] or `text_emb`
+    f32 [b,L,D]; `text_mask` bool [b,L]; `index` i64 [b] (the sample's index in its stage's dataset). H, W are
+    data.image_size, or the bucket of that global batch (`batch_image_shape`). After k batches the global
+    position is start_position + k * global_batch.
     """
     _check_layout(global_batch, process_index, process_count, start_position)
     stages = stages if stages is not None else make_stages(data_cfg, global_batch)
@@ -424,10 +438,12 @@ def make_batch_iterator(
         first_row=process_index * local,
         first_batch=start_position // global_batch,
     )
-    threads = int(data_cfg.worker_threads)
-    # The prefetch buffer counts samples; data.prefetch counts batches.
-    prefetch = max(1, int(data_cfg.prefetch)) * local if threads > 0 else 0
+    threads, processes = int(data_cfg.worker_threads), int(data_cfg.worker_processes)
+    prefetch = max(1, int(data_cfg.prefetch)) if threads > 0 else 0  # in batches
     read = grain.ReadOptions(num_threads=threads, prefetch_buffer_size=prefetch)
-    # An "infinite" index space: the number of steps decides when to stop, not the dataset length.
-    ds = grain.MapDataset.range(np.iinfo(np.int64).max).map(load)
-    return iter(ds.to_iter_dataset(read).batch(local, drop_remainder=True))
+    # An "infinite" index space of batches: the number of steps decides when to stop, not the dataset length.
+    ds = grain.MapDataset.range(np.iinfo(np.int64).max // local).map(load).to_iter_dataset(read)
+    if processes > 0:  # each process builds every processes-th batch; grain reads them back in order
+        _absl_flags_ready()
+        ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=processes, per_worker_buffer_size=prefetch or 1))
+    return iter(ds)

@@ -39,11 +39,14 @@ class PolicyConfig:
     total_steps: int = 0  # the run's length (0: unknown); no re-admission in the last checkpoint interval
     max_failures_without_progress: int = 5  # failures in a row that get no further than before: give up
     # Re-admission by cost: stop the group for a repaired host only when the added hosts would train longer before
-    # the next failure-driven relaunch (expected host_mtbf_s / group size) than the stop idles the whole group
-    # (the mean of this run's measured relaunches, old group gone -> first step; relaunch_estimate_s until one is
-    # measured). Otherwise the ready hosts wait and join at the next relaunch for free. host_mtbf_s = 0 (unknown):
-    # re-admit at once.
+    # the next failure-driven relaunch (expected MTBF / group size) than the stop idles the whole group (the mean
+    # of this run's measured relaunches, old group gone -> first step; relaunch_estimate_s until one is measured).
+    # Otherwise the ready hosts wait and join at the next relaunch for free. The MTBF is host_mtbf_s as a prior
+    # worth host_mtbf_weight failures, updated with the run's own failures and host-seconds
+    # (`Policy.host_mtbf_estimate`), so a wrong guess fades as failures are seen (a huge weight: never learn).
+    # host_mtbf_s = 0 (unknown): re-admit at once.
     host_mtbf_s: float = 0.0
+    host_mtbf_weight: float = 1.0
     relaunch_estimate_s: float = 300.0
 
 
@@ -215,6 +218,9 @@ class Policy:
         self.best_step = -1
         self.waiting_since: float | None = None
         self.relaunch_s: list[float] = []  # measured relaunches: old group gone -> the new group's first step
+        self.exposure_s = 0.0  # host-seconds spent in launched groups (the failure rate's denominator)
+        self.group_failures = 0  # failures that brought a group down (each one costs a relaunch)
+        self._exposure_t: float | None = None
 
     # ----------------------------------------------------------------------------------------------- public
     def start(self, t: float) -> list[Action]:
@@ -225,6 +231,7 @@ class Policy:
         """Takes one observation; returns the actions it calls for, in order."""
         if self.done is not None:
             return []
+        self._accrue_exposure(ev.t)
         out: list[Action] = []
         if isinstance(ev, Beat):
             self._on_beat(ev, out)
@@ -237,11 +244,27 @@ class Policy:
         self._on_tick(ev.t, out)
         return out
 
+    def host_mtbf_estimate(self) -> float:
+        """Host-seconds per group-stopping failure: the gamma-Poisson posterior mean with `host_mtbf_s` as a prior
+        worth w = `host_mtbf_weight` failures, (w * host_mtbf_s + host-seconds seen) / (w + failures seen). 0 when
+        host_mtbf_s is 0 (unknown)."""
+        c = self.config
+        if c.host_mtbf_s <= 0:
+            return 0.0
+        w = c.host_mtbf_weight
+        return (w * c.host_mtbf_s + self.exposure_s) / (w + self.group_failures)
+
     def usable(self) -> list[str]:
         """Hosts that may join the next launch (healthy, or quarantined and probed ok), in host order."""
         return [h for h in self.order if self.hosts[h].status == HEALTHY or self.hosts[h].ready]
 
     # ----------------------------------------------------------------------------------------------- events
+    def _accrue_exposure(self, t: float) -> None:
+        g = self.group
+        if g is not None and self._exposure_t is not None and g.mode != "killing":
+            self.exposure_s += max(0.0, t - self._exposure_t) * len(g.hosts)
+        self._exposure_t = t
+
     def _on_beat(self, ev: Beat, out: list[Action]) -> None:
         g = self.group
         if g is None or ev.attempt != g.attempt or ev.host not in g.members:
@@ -408,6 +431,7 @@ class Policy:
             hs.status = EXCLUDED if hs.strikes >= self.config.max_strikes else QUARANTINED
             kind = "exclude" if hs.status == EXCLUDED else "quarantine"
             out.append(Record(kind, {"host": h, "strikes": hs.strikes}))
+        self.group_failures += 1
         if g.max_step > self.best_step:
             self.best_step, self.failures_without_progress = g.max_step, 0
         else:  # this group got no further than an earlier one: a crash that repeats
@@ -521,11 +545,12 @@ class Policy:
         """Whether stopping a group of `size` hosts to relaunch it with `new_size` gains more host-seconds of
         training (the added hosts, until the next failure at the new size is expected) than the relaunch costs
         (every host of the new group idle for one relaunch). Always true when `host_mtbf_s` is unknown (0)."""
-        c = self.config
-        if c.host_mtbf_s <= 0:
+        mtbf = self.host_mtbf_estimate()
+        if mtbf <= 0:
             return True
+        c = self.config
         relaunch = sum(self.relaunch_s) / len(self.relaunch_s) if self.relaunch_s else c.relaunch_estimate_s
-        return (new_size - size) * c.host_mtbf_s / new_size >= new_size * relaunch
+        return (new_size - size) * mtbf / new_size >= new_size * relaunch
 
     def _time_to_checkpoint(self, t: float, g: Group) -> float:
         """Seconds the group needs to reach its next checkpoint at its measured step rate (0 if unknown)."""

@@ -26,6 +26,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from reve_jax import diffusion
 from reve_jax.data import synthetic
 
 log = logging.getLogger(__name__)
@@ -113,7 +114,7 @@ def scene_targets(scene: synthetic.Scene) -> dict[str, np.ndarray]:
 def to_net_input(images) -> jax.Array:
     """uint8 [N,S,S,3] or float in [-1, 1] -> f32 [N, 32, 32, 3] in [-1, 1] (average-pooled or resized)."""
     x = jnp.asarray(images)
-    x = x.astype(jnp.float32) / 127.5 - 1.0 if x.dtype == jnp.uint8 else x.astype(jnp.float32)
+    x = diffusion.to_unit(x)
     s = x.shape[1]
     if s == NET_SIZE:
         return x
@@ -284,7 +285,7 @@ def make_dinov2_fn(path: str | Path, pool: str = "cls", size: int = 224, batch: 
 
     @jax.jit
     def fn(st, x):
-        x = x.astype(jnp.float32) / 127.5 - 1.0 if x.dtype == jnp.uint8 else x.astype(jnp.float32)
+        x = diffusion.to_unit(x)
         feats = nnx.merge(graphdef, st)(resize(x, size, size))
         return feats.cls if pool == "cls" else feats.patch.mean(axis=1)
 

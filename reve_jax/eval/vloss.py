@@ -33,7 +33,7 @@ def heldout_batch(cfg, n: int) -> dict[str, np.ndarray]:
     """The held-out samples of `cfg.data`: {"image" f32 [n,S,S,3] in [-1,1], "index", and the text inputs}."""
     ds = pipeline.dataset_from_config(cfg.data)
     idx = heldout_indices(ds.num_samples, n)
-    images = np.stack([ds[int(i)]["image"] for i in idx]).astype(np.float32) / np.float32(127.5) - np.float32(1.0)
+    images = np.asarray(diffusion.to_unit(np.stack([ds[int(i)]["image"] for i in idx])))
     text = pipeline.text_inputs_of(ds, idx, cfg.text.max_len, cfg.text.encoder == "precomputed")
     return {"image": images, "index": idx, **text}
 

@@ -70,6 +70,8 @@ class ClusterConfig:
     # "cost": re-admit a repaired host only when it pays (PolicyConfig.host_mtbf_s from the failure rate above);
     # "always": stop the group as soon as a repaired host would make it bigger.
     readmit_rule: str = "cost"
+    mtbf_guess: float = 1.0  # the MTBF the policy is told, as a multiple of the true one (a user's wrong guess)
+    mtbf_weight: float = 1.0  # PolicyConfig.host_mtbf_weight: the guess counts as this many failures (1e12: fixed)
 
     @property
     def horizon_s(self) -> float:
@@ -109,7 +111,8 @@ def policy_config(c: ClusterConfig, policy: str) -> PolicyConfig:
     if c.readmit_rule not in ("cost", "always"):
         raise ValueError(f"readmit_rule {c.readmit_rule!r} is not 'cost' or 'always'")
     if c.readmit_rule == "cost" and c.failures_per_gpu_day > 0:
-        common["host_mtbf_s"] = 86_400.0 / (c.failures_per_gpu_day * c.gpus_per_host)
+        common["host_mtbf_s"] = c.mtbf_guess * 86_400.0 / (c.failures_per_gpu_day * c.gpus_per_host)
+        common["host_mtbf_weight"] = c.mtbf_weight
         common["relaunch_estimate_s"] = c.stop_save_s + c.restart_s + c.restore_s + c.first_step_s
     if policy == "restart-all":
         return PolicyConfig(min_hosts=c.hosts, group_sizes=(c.hosts,), max_strikes=10**9, **common)
