@@ -145,6 +145,10 @@ def get_config() -> ml_collections.ConfigDict:
     tr.ckpt_every = 250  # checkpoint cadence in steps
     tr.ckpt_keep = 3  # checkpoints kept
     tr.ckpt_async = True
+    # Copy the checkpoint off the device behind the next step (checkpoint.Checkpointer.stage): the save blocks for
+    # a device-side copy instead of the whole device-to-host transfer, for one more copy of the state in device
+    # memory at checkpoint steps. Off until measured on the GPU (docs/performance.md).
+    tr.ckpt_overlap = False
     tr.stop_on_nan = True
     tr.peak_tflops = 0.0  # device peak for MFU; 0 = 989 on H100/H200, a measured matmul peak on CPU
     tr.compile_cache = ""  # persistent XLA compilation cache directory ("" = off, or $JAX_COMPILATION_CACHE_DIR)

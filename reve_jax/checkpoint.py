@@ -5,6 +5,13 @@ Orbax writes each step into a temporary directory and renames it when complete, 
 the previous checkpoint as the latest complete one. A checkpoint that fails to restore (corrupt or truncated
 files) is moved aside into `<workdir>/checkpoints_corrupt/` (never deleted) and the one before is used.
 Restoring onto a different mesh works by passing abstract targets that carry the new shardings.
+
+A save blocks the caller while Orbax copies the arrays off the device (the files are written in the background).
+`stage` + `commit` move that copy behind the following train step: `stage` snapshots the state on the device (so
+the next step may donate the original buffers) and starts an asynchronous copy of the snapshot into pinned host
+memory; `commit`, called once the next step is dispatched, hands the host arrays to Orbax, which then blocks
+only for what is left of the copy. The price is one extra copy of the state in device memory until the copy
+is done.
 """
 
 from __future__ import annotations
@@ -15,9 +22,20 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
+
+
+@jax.jit
+def _device_copy(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+def _host_shardings(tree):
+    """Each leaf's sharding in pinned host memory (where the device-to-host copy is fastest)."""
+    return jax.tree.map(lambda a: a.sharding.with_memory_kind("pinned_host"), tree)
 
 
 class CheckpointError(RuntimeError):
@@ -31,6 +49,7 @@ class Checkpointer:
         self.workdir = Path(workdir).absolute()
         self.directory = self.workdir / "checkpoints"
         self.keep, self.async_save = keep, async_save
+        self._staged: tuple[int, object, dict] | None = None
         self._open()
 
     def _open(self):
@@ -47,6 +66,7 @@ class Checkpointer:
         """Start saving `state` (a pytree of jax.Arrays) and `meta` (JSON-able) at `step`; returns whether a save
         started. Async: the arrays are copied off the device before this returns, the files land in the
         background; `wait()` blocks until they are complete."""
+        self.commit()  # an older staged save goes first: steps stay in order
         if step in self.manager.all_steps():
             return False
         meta = dict(meta, step=int(step), saved_at=time.time())
@@ -56,10 +76,36 @@ class Checkpointer:
             force=force,
         )
 
+    def stage(self, step: int, state, meta: dict) -> bool:
+        """Start a save of `state` at `step` whose device-to-host copy overlaps what the caller runs next; returns
+        whether one was staged. Call `commit()` after dispatching the next step (save, wait and close commit too).
+        """
+        self.commit()
+        if step in self.manager.all_steps():
+            return False
+        snapshot = _device_copy(state)  # the caller may donate `state` to its next step
+        host = jax.tree.map(lambda a, s: jax.device_put(a, s), snapshot, _host_shardings(snapshot))
+        self._staged = (step, host, meta)
+        return True
+
+    def commit(self) -> bool:
+        """Hand a staged save to Orbax (blocks for the rest of its host copy); False when nothing was staged."""
+        if self._staged is None:
+            return False
+        step, host, meta = self._staged
+        self._staged = None
+        return self.save(step, host, meta)
+
+    @property
+    def staged_step(self) -> int | None:
+        return None if self._staged is None else self._staged[0]
+
     def wait(self):
+        self.commit()
         self.manager.wait_until_finished()
 
     def close(self):
+        self.commit()
         self.manager.wait_until_finished()
         self.manager.close()
 

@@ -247,16 +247,16 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
 
     def save(step_now: int, wait: bool = False):
         beat(step_now, "saving")
-        ckpt.save(
-            step_now,
-            state,
-            {
-                "data_position": step_now * tr.global_batch,
-                "config": config.to_json(cfg),
-                "mesh": dict(mesh.shape),
-                "processes": jax.process_count(),
-            },
-        )
+        meta = {
+            "data_position": step_now * tr.global_batch,
+            "config": config.to_json(cfg),
+            "mesh": dict(mesh.shape),
+            "processes": jax.process_count(),
+        }
+        if tr.ckpt_overlap and not wait:
+            ckpt.stage(step_now, state, meta)  # committed once the next step is dispatched
+        else:
+            ckpt.save(step_now, state, meta)
         if wait:
             ckpt.wait()
 
@@ -277,6 +277,7 @@ def run(cfg, workdir: str | Path, worker=None) -> dict:
             compiled, flops_per_step = executable(batch, step)
             with jax.set_mesh(mesh):
                 state, m = compiled(state, batch, setup.frozen.states)
+            ckpt.commit()  # a staged save's host copy has run behind this step's dispatch (train.ckpt_overlap)
             flops_since += flops_per_step
             step += 1
             steps_since += 1

@@ -102,6 +102,8 @@ PY
   XLA_FLAGS="$base_flags --xla_gpu_enable_command_buffer=" \
     bench 100 "no cmd buf" --preset "$XL" --batch "$batch" --ckpt off --data-steps 0
   bench 120 "ckpt" --preset "$XL" --batch "$batch" --ckpt on --data-steps 0
+  # The save staged behind the next step (train.ckpt_overlap): the loop should block for a device copy only.
+  bench 60 "ckpt staged" --preset "$XL" --batch "$batch" --ckpt staged --data-steps 0
   # The same program as the row above: its compile time is a persistent-cache hit.
   bench 60 "cache hit" --preset "$XL" --batch "$batch" --ckpt off --data-steps 0
   # Scan over the blocks: compile time against the first row's, and the step cost of stacking the weights.

@@ -51,6 +51,35 @@ def test_round_trip_compares_every_leaf(tmp_path):
     ckpt.close()
 
 
+def test_staged_save_survives_the_next_step_donating_the_state(tmp_path):
+    """stage() snapshots on the device and copies to pinned host memory; a step that donates (and so overwrites)
+    the state's buffers before commit() must not change what is saved. Saves stay in step order."""
+    setup = _setup(jax.devices(), "mesh.fsdp=2")
+    state = _changed(train_state.init_state(setup))
+    want = jax.device_get(state)
+    bump = jax.jit(lambda s: jax.tree.map(lambda x: x + jax.numpy.asarray(1, x.dtype), s), donate_argnums=0)
+    ckpt = Checkpointer(tmp_path, keep=3, async_save=True)
+    assert ckpt.stage(4, state, {"data_position": 32})
+    assert ckpt.staged_step == 4 and ckpt.steps() == []
+    state = bump(state)  # the next step: donates the staged state's buffers
+    assert ckpt.commit() and ckpt.staged_step is None and not ckpt.commit()
+    ckpt.stage(5, state, {"data_position": 40})
+    state = bump(state)
+    ckpt.save(6, state, {"data_position": 48})  # commits step 5 first
+    ckpt.wait()
+    assert ckpt.steps() == [4, 5, 6]
+    restored, meta = ckpt.restore(4, setup.abstract_state)
+    _assert_trees_equal(want, jax.device_get(restored))
+    assert meta["data_position"] == 32
+    for got, target in zip(jax.tree.leaves(restored), jax.tree.leaves(setup.abstract_state), strict=True):
+        assert got.sharding == target.sharding  # device memory again, not pinned host
+    ckpt.stage(7, state, {"data_position": 56})
+    ckpt.close()  # commits the staged save
+    reader = Checkpointer(tmp_path)
+    assert reader.steps() == [5, 6, 7]  # keep=3
+    reader.close()
+
+
 def test_save_on_8_devices_restores_on_4(tmp_path):
     setup8 = _setup(jax.devices(), "mesh.fsdp=2")
     state = _changed(train_state.init_state(setup8))

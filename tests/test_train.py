@@ -56,6 +56,25 @@ def test_resume_is_exact(tmp_path):
     assert _losses(tmp_path / "straight") == _losses(tmp_path / "split")
 
 
+def test_overlapped_checkpoints_equal_blocking_ones(tmp_path):
+    """train.ckpt_overlap stages each save behind the next step; every checkpoint holds what a blocking save holds."""
+    cfg = tiny_config("train.steps=5", "train.ckpt_every=2")
+    trainer.run(cfg, tmp_path / "blocking")
+    trainer.run(tiny_config("train.steps=5", "train.ckpt_every=2", "train.ckpt_overlap=True"), tmp_path / "staged")
+    setup = train_state.make_setup(cfg, sharding.make_mesh(cfg.mesh))
+    readers = [Checkpointer(tmp_path / name) for name in ("blocking", "staged")]
+    try:
+        assert readers[0].steps() == readers[1].steps() == [2, 4, 5]
+        for step in (2, 4, 5):
+            (a, meta_a), (b, meta_b) = (r.restore(step, setup.abstract_state) for r in readers)
+            assert meta_a["data_position"] == meta_b["data_position"] == step * 8
+            for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b), strict=True):
+                np.testing.assert_array_equal(x, y, err_msg=f"step {step} {jax.tree_util.keystr(path)}")
+    finally:
+        for r in readers:
+            r.close()
+
+
 def test_nan_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(tmp_path):
     cfg = tiny_config("train.steps=2")
     trainer.run(cfg, tmp_path)

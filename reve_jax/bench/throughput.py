@@ -224,10 +224,11 @@ def _data_loop(cfg, step, state, mesh, steps: int):
     return state, wait, time.perf_counter() - t_start
 
 
-def _checkpoint_loop(step, state, batch, mesh, steps: int, step_s: float, directory: str | None):
-    """Run `steps` steps with an async save of the state after the middle one. Returns (state, dict): `block_s`
-    the loop's time beyond `steps * step_s`, `save_call_s` the time inside save(), `finish_s` the wait for the
-    background write after the loop."""
+def _checkpoint_loop(step, state, batch, mesh, steps: int, step_s: float, directory: str | None, staged: bool):
+    """Run `steps` steps with an async save of the state after the middle one (`staged`: as the trainer does with
+    train.ckpt_overlap, stage it there and commit after dispatching the next step). Returns (state, dict):
+    `block_s` the loop's time beyond `steps * step_s`, `save_call_s` the time inside save() (or stage() + commit()),
+    `finish_s` the wait for the background write after the loop."""
     root = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="reve_bench_ckpt_"))
     ckpt = checkpoint.Checkpointer(root / "run", keep=1, async_save=True)
     try:
@@ -237,10 +238,14 @@ def _checkpoint_loop(step, state, batch, mesh, steps: int, step_s: float, direct
         with jax.set_mesh(mesh):
             for i in range(steps):
                 state, _ = step(state, batch)
+                if staged and i == steps // 2 + 1:
+                    t0 = time.perf_counter()
+                    ckpt.commit()
+                    save_call += time.perf_counter() - t0
                 if i == steps // 2:
                     t0 = time.perf_counter()
-                    ckpt.save(1, state, {"bench": True})
-                    save_call = time.perf_counter() - t0
+                    (ckpt.stage if staged else ckpt.save)(1, state, {"bench": True})
+                    save_call += time.perf_counter() - t0
         jax.block_until_ready(state)
         loop = time.perf_counter() - t_start
         t0 = time.perf_counter()
@@ -310,9 +315,9 @@ def bench_jax(cfg, opts, *, fresh_process: bool) -> dict:
         state, wait, total = _data_loop(cfg, step, state, mesh, opts.data_steps)
         row.update(data_wait_s=wait, data_loop_s=total, data_wait_frac=wait / total)
     if opts.ckpt:
-        n = max(opts.steps, 2)
-        state, ck = _checkpoint_loop(step, state, batch, mesh, n, step_s, opts.ckpt_dir)
-        row.update({f"ckpt_{k}": v for k, v in ck.items()})
+        n = max(opts.steps, 3)
+        state, ck = _checkpoint_loop(step, state, batch, mesh, n, step_s, opts.ckpt_dir, staged=opts.ckpt == "staged")
+        row.update({f"ckpt_{k}": v for k, v in ck.items()}, ckpt_mode=opts.ckpt)
     del state
     return row
 
@@ -548,7 +553,12 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="untimed steps after compiling")
     p.add_argument("--tread", default="off", choices=("on", "off", "both"), help="TREAD token routing")
     p.add_argument("--data-steps", type=int, default=5, help="steps fed by the real Grain pipeline (0: skip)")
-    p.add_argument("--ckpt", default="on", choices=("on", "off"), help="time an async checkpoint save in a loop")
+    p.add_argument(
+        "--ckpt",
+        default="on",
+        choices=("on", "off", "staged"),
+        help="time an async checkpoint save in a loop (staged: behind the next step, as train.ckpt_overlap)",
+    )
     p.add_argument("--ckpt-dir", default=None, help="where the benchmark checkpoint goes (default: a temp dir)")
     p.add_argument(
         "--compile-cache", default=None, help="persistent compilation cache dir (default train.compile_cache)"
@@ -604,7 +614,7 @@ def main(argv=None) -> list[dict]:
         steps=args.steps,
         repeats=args.repeats,
         data_steps=args.data_steps,
-        ckpt=args.ckpt == "on",
+        ckpt=None if args.ckpt == "off" else args.ckpt,
         ckpt_dir=args.ckpt_dir,
         compile_only=args.compile_only,
         peer_ref=args.peer_ref,
