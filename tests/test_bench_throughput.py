@@ -1,6 +1,7 @@
 """The throughput benchmark runs end to end on a tiny config and prints its table; the layer changes it measures
 (q,k,v and gate,up as one stacked GEMM, the cuDNN-to-XLA attention fallback) keep the numerics."""
 
+import argparse
 import json
 import math
 
@@ -11,7 +12,7 @@ import pytest
 from flax import nnx
 
 from reve_jax import flops
-from reve_jax.bench import throughput
+from reve_jax.bench import peer, throughput
 from reve_jax.model import layers
 
 EXPECTED_COLUMNS = [
@@ -71,9 +72,57 @@ def test_tread_row_counts_fewer_flops():
 def test_peer_flops_match_the_recipe_formula():
     # RECIPE.md section 8: 3 * L * (24*N*d^2 + 4*N^2*d) for DiT-XL/2, 601 img/s = 43% of 989 TFLOP/s.
     core = 3 * 28 * (24 * 256 * 1152**2 + 4 * 256**2 * 1152)
-    got = throughput.peer_train_flops_per_image(1152, 28, 256, 4.0)
+    got = peer.peer_train_flops_per_image(1152, 28, 256, 4.0)
     assert core < got < 1.02 * core
     assert 601 * got / 1e12 / 989 == pytest.approx(0.43, abs=0.01)
+
+
+STAND_IN_DIT = """
+import torch
+
+
+class _Attn(torch.nn.Module):
+    fused_attn = True
+
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = _Attn()
+
+
+class DiT(torch.nn.Module):  # the reference's constructor and call, a patchify-linear-unpatchify body
+    def __init__(self, input_size, patch_size, in_channels, hidden_size, depth, num_heads, mlp_ratio):
+        super().__init__()
+        self.p, self.c = patch_size, in_channels
+        self.blocks = torch.nn.ModuleList([_Block()])
+        self.lin = torch.nn.Linear(patch_size * patch_size * in_channels, 2 * patch_size * patch_size * in_channels)
+
+    def forward(self, x, t, y):
+        b, c, h, w = x.shape
+        p = self.p
+        tokens = x.reshape(b, c, h // p, p, w // p, p).permute(0, 2, 4, 3, 5, 1).reshape(b, -1, p * p * c)
+        out = self.lin(tokens).reshape(b, h // p, w // p, p, p, 2 * c).permute(0, 5, 1, 3, 2, 4)
+        return out.reshape(b, 2 * c, h, w)
+"""
+
+
+def test_peer_runs_in_a_child_process_and_reports_a_row(tmp_path):
+    """The peer's child process (python -m reve_jax.bench.peer) with a stand-in for the reference models.py."""
+    (tmp_path / "models.py").write_text(STAND_IN_DIT)
+    cfg = throughput.load_bench_config("tiny", None, 4, False)
+    opts = argparse.Namespace(
+        name="tiny", peer_ref=str(tmp_path), warmup=1, steps=2, repeats=1, peer_compile=False, peer_timeout=120
+    )
+    row = peer.run_peer(cfg, opts)
+    assert "error" not in row, row.get("error")
+    grid = cfg.data.image_size // cfg.model.patch
+    assert row["impl"] == "torch DiT eager" and row["batch"] == 4 and row["images_per_s"] > 0
+    assert row["flops_per_image"] == peer.peer_train_flops_per_image(
+        cfg.model.width, cfg.model.depth, grid**2, cfg.model.mlp_ratio
+    )
+    missing = peer.run_peer(cfg, argparse.Namespace(**dict(vars(opts), peer_ref=str(tmp_path / "none"))))
+    assert "no models.py" in missing["error"]
 
 
 def test_table_marks_errors_and_estimated_memory():
