@@ -9,7 +9,8 @@
 #   run(command="bash scripts/device_bench.sh extra", carry=[".whl", ".ref"], timeout_s=330)
 # core:  attention check + XL/2 TREAD off; torch DiT-XL/2; XL/2 TREAD on; B/2 off+on (+ckpt); torch DiT-B/2.
 # extra: PRX-1B off+on; XL/2 with q,k,v as three GEMMs (before this work); XL/2 with XLA attention; XL/2 with each
-#        XLA flag tried; XL/2 checkpoint blocking; XL/2 again (a compilation-cache hit); XL/2 with scan over blocks.
+#        XLA flag tried; XL/2 checkpoint blocking, plain and staged; XL/2 again (a compilation-cache hit); XL/2 with
+#        scan over blocks.
 # SMOKE=1 runs the same sequence with the tiny preset on this machine's CPU (checks the script, not the GPU).
 set -u
 phase=${1:-core}
