@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from util import load_script
 
 from reve_jax import flops
 from reve_jax.bench import peer, throughput
@@ -180,3 +181,17 @@ def test_auto_attention_falls_back_to_xla_when_cudnn_refuses(monkeypatch):
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
     with pytest.raises(RuntimeError):  # an explicit choice is never replaced
         layers.dot_product_attention(q, k, v, lengths, "cudnn")
+
+
+def test_host_bench_reports_input_rate_and_save_blocking(tmp_path, capsys):
+    script = load_script("bench_host")
+    out = tmp_path / "rows.jsonl"
+    (row,) = script.host.main(
+        ["input", "--preset", "tiny", "--batch", "8", "--batches", "2", "--repeats", "2", "--json", str(out),
+         "--config.data.worker_threads=1"]
+    )  # fmt: skip
+    assert row["images_per_s"] > 0 and len(row["runs"]) == 2 and row["threads"] == 1 and row["image_size"] == 16
+    plain, staged = script.host.main(["ckpt", "--gb", "0.004", "--leaves", "4", "--json", str(out)])
+    assert plain["what"] == "ckpt" and staged["what"] == "ckpt staged" and plain["gb"] == pytest.approx(0.004)
+    assert 0 < plain["blocking_s"] <= plain["total_s"] and 0 < staged["stage_s"] <= staged["blocking_s"]
+    assert len(out.read_text().splitlines()) == 3 and "img/s" in capsys.readouterr().out
