@@ -30,13 +30,26 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONUNBUFFERED=1
 base_flags=${XLA_FLAGS:-}
 
 if [ -n "${SMOKE:-}" ]; then
-  XL=tiny B=tiny PRX=tiny batch=16
+  XL=tiny B=tiny PRX=tiny batch=16 state_gb=0.05
   common=(--steps 2 --repeats 1 --warmup 1 --data-steps 2 --compile-cache /tmp/reve_smoke_cache)
 else
-  XL=dit-xl2 B=dit-b2 PRX=prx-1b batch=256
+  XL=dit-xl2 B=dit-b2 PRX=prx-1b batch=256 state_gb=10.8
   common=(--steps 5 --repeats 3 --warmup 2 --data-steps 5 --compile-cache /tmp/reve_jax_cache)
   nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,power.limit,memory.used --format=csv >"$OUT/gpu.txt" 2>&1
 fi
+
+# host SECONDS_CAP ARGS...: one scripts/bench_host.py process (its rows go to the log and host.jsonl).
+host() {
+  local cap=$1
+  shift
+  local left=$((deadline - SECONDS - 15))
+  if [ "$left" -lt 30 ]; then
+    echo "[skip, budget] host $*" | tee -a "$log"
+    return
+  fi
+  [ "$left" -lt "$cap" ] && cap=$left
+  timeout "$cap" python3 scripts/bench_host.py "$@" --json "$OUT/host.jsonl" 2>>"$log" | tee -a "$log"
+}
 
 # bench SECONDS_CAP LABEL ARGS...: one benchmark process, cut at the cap or the deadline.
 bench() {
@@ -109,6 +122,11 @@ PY
   bench 60 "cache hit" --preset "$XL" --batch "$batch" --ckpt off --data-steps 0
   # Scan over the blocks: compile time against the first row's, and the step cost of stacking the weights.
   bench 100 "scan" --preset "$XL" --batch "$batch" --ckpt off --data-steps 0 --config.model.scan_layers=True
+  # Host side without the model: an XL/2-sized state's save (plain, staged) and the input rate with threads and
+  # with worker processes on this host's cores.
+  host 60 ckpt --gb "$state_gb" --leaves 560
+  host 60 input --preset "$B" --batch "$batch" --config.data.worker_threads=8
+  host 60 input --preset "$B" --batch "$batch" --config.data.worker_threads=1 --config.data.worker_processes=8
   ;;
 *)
   echo "usage: $0 core|extra" >&2
