@@ -152,6 +152,12 @@ def test_folder_round_trip_skips_bad_input_and_reads_back_through_the_pipeline(f
     parts = [_take(pipeline.make_batch_iterator(cfg, 16, 10, p, 2, 10), 2) for p in range(2)]
     whole = _take(pipeline.make_batch_iterator(cfg, 16, 10, 0, 1, 10), 2)
     _assert_batches_equal(whole, [_concat(pair) for pair in zip(*parts, strict=True)])
+    # The shard readers travel to Grain worker processes, and the batches stay the same.
+    it = pipeline.make_batch_iterator(_data_cfg(path=str(out), worker_processes=2), 16, 10, 0, 1, 10)
+    try:
+        _assert_batches_equal(whole, _take(it, 2))
+    finally:
+        it.close()
 
 
 def test_interrupted_preparation_resumes_without_redoing_shards(folder, tmp_path, monkeypatch, minilm):

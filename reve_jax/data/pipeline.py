@@ -413,7 +413,7 @@ def make_batch_iterator(
 
     Args:
       data_cfg: the `data` config (name, path, stages, image_size, seed, num_samples, max_objects,
-        worker_threads, prefetch).
+        worker_threads, worker_processes, prefetch).
       text_max_len: tokens per caption (`text.max_len`); must fit the longest synthetic caption, and the
         shards' encoder max_len when they carry embeddings.
       global_batch: samples per step across all processes; must be divisible by `process_count`.
