@@ -84,7 +84,7 @@ class Checkpointer:
         if step in self.manager.all_steps():
             return False
         snapshot = _device_copy(state)  # the caller may donate `state` to its next step
-        host = jax.tree.map(lambda a, s: jax.device_put(a, s), snapshot, _host_shardings(snapshot))
+        host = jax.device_put(snapshot, _host_shardings(snapshot))
         self._staged = (step, host, meta)
         return True
 
