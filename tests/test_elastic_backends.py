@@ -77,6 +77,19 @@ def test_ssh_runs_remote_line_with_env_and_exit_code(fake_ssh, tmp_path):
     assert wait_exit(backend.probe("nodeA", {"JAX_PLATFORMS": "cpu"}, str(tmp_path / "p.log"))) == 0
 
 
+def test_ssh_hands_the_secret_over_stdin_not_the_command_line(fake_ssh, tmp_path):
+    backend = backends.SSHBackend(["nodeA"], remote_dir=ROOT, python=sys.executable, ssh=(fake_ssh,))
+    secret = "5e" * 32
+    code = "import os; print(os.environ['REVE_SECRET'] == '5e' * 32, os.environ['REVE_X'])"
+    proc = backend.start("nodeA", ["python", "-c", code], {"REVE_X": "1", "REVE_SECRET": secret}, str(tmp_path / "l"))
+    assert secret not in " ".join(proc.popen.args)
+    assert wait_exit(proc) == 0
+    assert (tmp_path / "l").read_text().split() == ["True", "1"]
+    assert backends.facing_address(["127.0.0.1", "localhost"]) == "127.0.0.1"
+    local = backends.SSHBackend(["127.0.0.1"], remote_dir=ROOT)
+    assert local.heartbeat_bind() == local.heartbeat_host() == "127.0.0.1"  # never 0.0.0.0
+
+
 def test_ssh_kill_reaches_the_remote_process_group(fake_ssh, tmp_path):
     backend = backends.SSHBackend(["nodeA"], remote_dir=ROOT, python=sys.executable, ssh=(fake_ssh,))
     pidfile = tmp_path / "child.pid"
@@ -112,6 +125,8 @@ def test_slurm_command_line(monkeypatch):
     argv = backend.srun_command("gpu002", ["python3", "scripts/train.py"], "reve-x")
     assert argv[:6] == ["srun", "--nodes=1", "--ntasks=1", "--nodelist=gpu002", "--job-name=reve-x", "--overlap"]
     assert argv[-3:] == ["--gpus-per-task=8", "python3", "scripts/train.py"]
+    wrapped = backend.srun_command("gpu002", ["python3", "x.py"], "reve-x", read_secret=True)
+    assert wrapped[-6:-2] == ["bash", "-c", 'IFS= read -r REVE_SECRET; export REVE_SECRET; exec "$@"', "reve-worker"]
     monkeypatch.delenv("SLURM_JOB_ID")
     with pytest.raises(RuntimeError, match="allocation"):
         backends.SlurmBackend(["gpu001"])

@@ -1,4 +1,5 @@
-"""The heartbeat channel over real TCP, fed to the policy: beats, stop replies, stale and no-progress detection."""
+"""The heartbeat channel over real TCP, fed to the policy: beats, stop replies, stale and no-progress detection;
+authentication (forged, replayed, oversized messages)."""
 
 import os
 import signal
@@ -21,7 +22,8 @@ def wait_for(cond, timeout=5.0):
 
 
 def client(server, host, attempt=0, interval=0.05):
-    return HeartbeatClient(f"127.0.0.1:{server.port}", {"host": host, "attempt": attempt}, interval).start()
+    identity = {"host": host, "attempt": attempt}
+    return HeartbeatClient(f"127.0.0.1:{server.port}", identity, server.secret, interval).start()
 
 
 def test_beats_arrive_with_step_phase_start_step_and_stop_reply():
@@ -52,7 +54,7 @@ def test_client_survives_a_missing_supervisor():
     server = HeartbeatServer(bind="127.0.0.1")
     port = server.port
     server.close()  # nothing listens: the client keeps trying without raising or blocking update()
-    c = HeartbeatClient(f"127.0.0.1:{port}", {"host": "a", "attempt": 0}, 0.05).start()
+    c = HeartbeatClient(f"127.0.0.1:{port}", {"host": "a", "attempt": 0}, b"k" * 32, 0.05).start()
     t0 = time.perf_counter()
     for s in range(1000):
         c.update(s, "train")
@@ -151,10 +153,12 @@ def test_init_from_env_single_process_and_stop_on_sigterm():
         "REVE_ATTEMPT": "4",
         "REVE_HEARTBEAT": f"127.0.0.1:{server.port}",
         "REVE_HEARTBEAT_INTERVAL": "0.05",
+        "REVE_SECRET": server.secret.hex(),
     }
     old = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         ctx = init_from_env(env)
+        assert "REVE_SECRET" not in env  # taken out of the environment once read
         assert (ctx.process_id, ctx.num_processes, ctx.attempt, ctx.supervised) == (0, 1, 4, True)
         ctx.beat(5, "train")
         assert wait_for(lambda: any(m.get("step") == 5 for _, m in server.drain()))

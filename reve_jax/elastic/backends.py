@@ -16,6 +16,8 @@ import sys
 import threading
 import uuid
 
+from reve_jax.elastic import auth
+
 PROBE_MODULE = "reve_jax.elastic.probe"
 # The checkout this package runs from: local workers import reve_jax from here whatever their cwd.
 _REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -60,7 +62,11 @@ class Proc:
             os.killpg(self.popen.pid, signal.SIGKILL)
 
 
-def _spawn(argv: list[str], env: dict, log_path: str, cwd: str | None, remote_kill=None) -> Proc:
+def _spawn(
+    argv: list[str], env: dict, log_path: str, cwd: str | None, remote_kill=None, stdin_line: str | None = None
+) -> Proc:
+    """Starts `argv`; `stdin_line` (the run's secret for a remote worker) is written to its standard input,
+    which is then closed."""
     os.makedirs(os.path.dirname(os.path.abspath(log_path)), exist_ok=True)
     log = open(log_path, "ab")  # noqa: SIM115 (closed by Proc.poll once the process is gone)
     popen = subprocess.Popen(
@@ -68,11 +74,33 @@ def _spawn(argv: list[str], env: dict, log_path: str, cwd: str | None, remote_ki
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL if stdin_line is None else subprocess.PIPE,
         cwd=cwd,
         start_new_session=True,  # its own process group: kill() takes its children too, ^C does not reach it
     )
+    if stdin_line is not None:
+        with contextlib.suppress(OSError):  # a command that died at once: its exit code tells
+            popen.stdin.write(stdin_line.encode() + b"\n")
+        with contextlib.suppress(OSError):
+            popen.stdin.close()
     return Proc(popen, log, remote_kill)
+
+
+# The remote side of the secret's hand-off: the first line of stdin becomes REVE_SECRET, exported to the worker.
+_READ_SECRET = f"IFS= read -r {auth.SECRET_ENV}; export {auth.SECRET_ENV}"
+
+
+def facing_address(hosts: list[str]) -> str:
+    """Returns this machine's address on the route to `hosts` (the one they reach it at): the supervisor's
+    channel listens there only. Raises ValueError if the hosts are reached through different addresses."""
+    seen = set()
+    for host in hosts:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(host), 9))  # UDP connect sends nothing; it only picks the route
+            seen.add(s.getsockname()[0])
+    if len(seen) != 1:
+        raise ValueError(f"the hosts are reached through different local addresses {sorted(seen)}: pass --advertise")
+    return seen.pop()
 
 
 class LocalBackend:
@@ -83,7 +111,6 @@ class LocalBackend:
     someone removes the file)."""
 
     name = "local"
-    heartbeat_bind = "127.0.0.1"  # every worker is on this machine
 
     def __init__(
         self,
@@ -120,6 +147,9 @@ class LocalBackend:
     def heartbeat_host(self) -> str:
         return "127.0.0.1"
 
+    def heartbeat_bind(self) -> str:
+        return "127.0.0.1"  # every worker is on this machine
+
     def start(self, host: str, argv: list[str], env: dict, log_path: str) -> Proc:
         argv = [self.python if a == "python" else a for a in argv]
         return _spawn(argv, {**os.environ, **env, **self.host_env(host)}, log_path, self.cwd)
@@ -136,7 +166,6 @@ class SSHBackend:
     when a host stops answering."""
 
     name = "ssh"
-    heartbeat_bind = "0.0.0.0"
 
     def __init__(
         self,
@@ -166,24 +195,31 @@ class SSHBackend:
         return f"{host}:{self.base_port + attempt % 500}"
 
     def heartbeat_host(self) -> str:
-        return self.advertise or socket.getfqdn()
+        return self.advertise or facing_address(self.hosts)
 
-    def remote_command(self, argv: list[str], env: dict, pidfile: str) -> str:
+    def heartbeat_bind(self) -> str:
+        return socket.gethostbyname(self.advertise) if self.advertise else facing_address(self.hosts)
+
+    def remote_command(self, argv: list[str], env: dict, pidfile: str, read_secret: bool = False) -> str:
         """Returns the shell line run on the remote host: start `argv` with `env` in its own session, record
-        its pid in `pidfile`, and exit with its exit code."""
+        its pid in `pidfile`, and exit with its exit code. With `read_secret`, the first line of stdin
+        becomes the worker's REVE_SECRET."""
         argv = [self.python if a == "python" else a for a in argv]
         assigns = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in env.items())
         cmd = " ".join(shlex.quote(a) for a in argv)
+        secret = f"{_READ_SECRET}; " if read_secret else ""
         return (
-            f"cd {shlex.quote(self.remote_dir)} && {{ env {assigns} setsid {cmd} & "
+            f"cd {shlex.quote(self.remote_dir)} && {{ {secret}env {assigns} setsid {cmd} & "
             f"echo $! > {shlex.quote(pidfile)}; wait $!; }}"
         )
 
     def start(self, host: str, argv: list[str], env: dict, log_path: str) -> Proc:
+        env = dict(env)
+        secret = env.pop(auth.SECRET_ENV, None)  # through ssh's stdin, never on the command line
         pidfile = f"/tmp/reve-{uuid.uuid4().hex[:12]}.pid"
-        line = self.remote_command(argv, env, pidfile)
+        line = self.remote_command(argv, env, pidfile, read_secret=secret is not None)
         kill = self.ssh + [host, f"kill -9 -- -$(cat {shlex.quote(pidfile)}) ; rm -f {shlex.quote(pidfile)}"]
-        return _spawn(self.ssh + [host, line], dict(os.environ), log_path, None, remote_kill=kill)
+        return _spawn(self.ssh + [host, line], dict(os.environ), log_path, None, kill, stdin_line=secret)
 
     def probe(self, host: str, env: dict, log_path: str) -> Proc:
         return self.start(host, ["python", "-m", PROBE_MODULE], env, log_path)
@@ -196,7 +232,6 @@ class SlurmBackend:
     srun."""
 
     name = "slurm"
-    heartbeat_bind = "0.0.0.0"
 
     def __init__(
         self,
@@ -215,10 +250,16 @@ class SlurmBackend:
         return f"{host}:{self.base_port + attempt % 500}"
 
     def heartbeat_host(self) -> str:
-        return self.advertise or socket.getfqdn()
+        return self.advertise or facing_address(self.hosts)
 
-    def srun_command(self, host: str, argv: list[str], step_name: str) -> list[str]:
-        """Returns the srun line that runs `argv` as one task on `host`."""
+    def heartbeat_bind(self) -> str:
+        return socket.gethostbyname(self.advertise) if self.advertise else facing_address(self.hosts)
+
+    def srun_command(self, host: str, argv: list[str], step_name: str, read_secret: bool = False) -> list[str]:
+        """Returns the srun line that runs `argv` as one task on `host`; with `read_secret`, through a shell
+        that makes the first line of stdin (srun forwards it to the task) the worker's REVE_SECRET."""
+        if read_secret:
+            argv = ["bash", "-c", f'{_READ_SECRET}; exec "$@"', "reve-worker", *argv]
         return [
             "srun",
             "--nodes=1",
@@ -233,6 +274,8 @@ class SlurmBackend:
         ]
 
     def start(self, host: str, argv: list[str], env: dict, log_path: str) -> Proc:
+        env = dict(env)
+        secret = env.pop(auth.SECRET_ENV, None)  # through srun's stdin: not in srun's environment or argv
         name = f"reve-{uuid.uuid4().hex[:12]}"
         argv = ["python3" if a == "python" else a for a in argv]
         # scancel by step name: the step id is known only to srun.
@@ -242,7 +285,8 @@ class SlurmBackend:
             f"squeue --steps --noheader --format='%i %j' --jobs {self.job_id} | "
             f"awk '$2==\"{name}\" {{print $1}}' | xargs -r scancel --signal=KILL",
         ]
-        return _spawn(self.srun_command(host, argv, name), {**os.environ, **env}, log_path, None, kill)
+        srun = self.srun_command(host, argv, name, read_secret=secret is not None)
+        return _spawn(srun, {**os.environ, **env}, log_path, None, kill, stdin_line=secret)
 
     def probe(self, host: str, env: dict, log_path: str) -> Proc:
         return self.start(host, ["python", "-m", PROBE_MODULE], env, log_path)

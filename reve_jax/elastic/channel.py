@@ -1,15 +1,19 @@
-"""The supervisor's health channel: heartbeats as JSON lines over TCP; each reply says whether to stop.
+"""The supervisor's health channel: signed JSON lines over TCP (auth.py); each reply says whether to stop.
 
 It is the supervisor's own channel, apart from JAX's coordination service, so it keeps working across hosts
 while a collective hangs, and a beat carries what the policy needs: the step, the phase, the restored step
 and where the main thread is. Beats are sent by a background thread, so a main thread stuck in a collective
 stops the step from advancing while the beats go on: "alive, no progress" and "gone" stay apart.
+
+Only the run's processes get in: every line carries an HMAC under the run's secret and a fresh counter; lines
+without one, replays and lines longer than auth.MAX_LINE are dropped (the connection closed) and counted for
+events.jsonl. The server listens on the one address the workers use (127.0.0.1 for local runs).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import json
 import os
 import queue
 import socket
@@ -18,39 +22,78 @@ import sys
 import threading
 import time
 
+from reve_jax.elastic import auth
+
 # Phases a worker reports before its state is restored (see policy.PRE_RESTORE_PHASES).
 _PRE_RESTORE = ("starting", "restoring")
 
 
 class _Handler(socketserver.StreamRequestHandler):
+    def setup(self) -> None:
+        self.timeout = self.server.owner.idle_timeout  # a silent connection (a stopped worker) is closed
+        super().setup()
+
     def handle(self) -> None:
         owner: HeartbeatServer = self.server.owner  # type: ignore[attr-defined]
-        for line in self.rfile:
+        peer = self.client_address[0]
+        while True:
             try:
-                msg = json.loads(line)
-            except ValueError:
+                # At most MAX_LINE + 1 bytes are read into memory whatever the peer sends.
+                line = self.rfile.readline(auth.MAX_LINE + 1)
+            except OSError:  # idle timeout or reset
                 return
-            owner._received(msg)
-            reply = {"stop": msg.get("attempt") in owner._stop_attempts}
-            self.wfile.write((json.dumps(reply) + "\n").encode())
+            if not line:
+                return
+            try:
+                reply = owner._received(auth.verify(owner.secret, line))
+            except auth.Rejected as e:
+                owner._reject(e.reason, peer)
+                return  # a peer that does not know the secret gets nothing back, not even an error
+            self.wfile.write(auth.sign(owner.secret, reply))
+
+    def finish(self) -> None:
+        with contextlib.suppress(OSError):
+            super().finish()
+        self.server.owner._connection_closed()
 
 
 class _Server(socketserver.ThreadingTCPServer):
     daemon_threads = True
     allow_reuse_address = True
 
+    def verify_request(self, request, client_address) -> bool:
+        return self.owner._connection_opened(client_address[0])
+
 
 class HeartbeatServer:
-    """TCP server of the supervisor; every JSON line a worker sends is one beat, answered `{"stop": bool}`.
+    """TCP server of the supervisor; every signed line a worker sends is one beat, answered with a signed
+    `{"stop": bool, ...}`. Lines that fail the MAC, replay a counter, exceed auth.MAX_LINE or arrive beyond
+    `max_connections` open connections are dropped and counted (`take_rejections`).
 
-    `bind` and `port` say where to listen (port 0: any free port, read it back from `.port`). `clock` stamps
-    each beat on arrival, so beats are timed on the supervisor's clock only.
+    `bind` and `port` say where to listen (port 0: any free port, read it back from `.port`): only the address
+    the workers reach, never every interface. `secret` is the run's key (default: a fresh one, `.secret`).
+    `clock` stamps each beat on arrival, so beats are timed on the supervisor's clock only.
     """
 
-    def __init__(self, bind: str = "0.0.0.0", port: int = 0, clock=time.monotonic):
+    def __init__(
+        self,
+        bind: str = "127.0.0.1",
+        port: int = 0,
+        clock=time.monotonic,
+        secret: bytes | None = None,
+        max_connections: int = 256,
+        idle_timeout: float = 60.0,
+    ):
+        self.secret = secret or auth.new_secret()
+        self.idle_timeout, self.max_connections = idle_timeout, max_connections
         self._clock = clock
         self._beats: queue.SimpleQueue = queue.SimpleQueue()
         self._stop_attempts: set[int] = set()
+        self._lock = threading.Lock()
+        self._last_n: dict[str, int] = {}  # client session -> last counter accepted
+        self._rejected: collections.Counter = collections.Counter()
+        self._rejected_peers: dict[str, set[str]] = {}
+        self._open = 0
         self._server = _Server((bind, port), _Handler)
         self._server.owner = self
         self._thread = threading.Thread(target=self._server.serve_forever, name="heartbeat-server", daemon=True)
@@ -63,8 +106,50 @@ class HeartbeatServer:
         self._thread.start()
         return self
 
-    def _received(self, msg: dict) -> None:
+    def _received(self, msg: dict) -> dict:
+        """Queues an authenticated beat; returns the reply. Raises Rejected for a replayed counter."""
+        sid, n = msg.get("sid"), msg.get("n")
+        if not isinstance(sid, str) or not isinstance(n, int):
+            raise auth.Rejected("malformed")
+        with self._lock:
+            if n <= self._last_n.get(sid, 0):
+                raise auth.Rejected("replay")
+            self._last_n[sid] = n
         self._beats.put((self._clock(), msg))
+        return {"sid": sid, "n": n, "stop": msg.get("attempt") in self._stop_attempts}
+
+    def _reject(self, reason: str, peer: str) -> None:
+        with self._lock:
+            self._rejected[reason] += 1
+            peers = self._rejected_peers.setdefault(reason, set())
+            if len(peers) < 8:
+                peers.add(peer)
+
+    def _connection_opened(self, peer: str) -> bool:
+        with self._lock:
+            if self._open >= self.max_connections:
+                refused = True
+            else:
+                self._open += 1
+                refused = False
+        if refused:
+            self._reject("too_many_connections", peer)
+        return not refused
+
+    def _connection_closed(self) -> None:
+        with self._lock:
+            self._open -= 1
+
+    def take_rejections(self) -> dict:
+        """Returns {reason: count} of the messages dropped since the last call plus "peers" {reason: [address]}
+        ({} if none), and starts counting afresh."""
+        with self._lock:
+            if not self._rejected:
+                return {}
+            out = {"counts": dict(self._rejected), "peers": {k: sorted(v) for k, v in self._rejected_peers.items()}}
+            self._rejected.clear()
+            self._rejected_peers.clear()
+        return out
 
     def request_stop(self, attempt: int) -> None:
         """From now on, replies to the workers of group `attempt` ask them to stop at the next checkpoint."""
@@ -98,22 +183,35 @@ class HeartbeatClient:
     """The worker's end: a daemon thread that sends the latest (step, phase) every `interval` s.
 
     `address` is "host:port" of the supervisor's server; `identity` is merged into every message (host,
-    attempt, process id). `update` only stores values, so the training loop never waits on the network. A
-    phase change is sent at once. `orphan_timeout` > 0 makes the process exit (code 3) once the supervisor
-    has been unreachable that long, so workers on remote hosts do not outlive a dead supervisor.
+    attempt, process id); `secret` is the run's key (auth.py). `update` only stores values, so the training
+    loop never waits on the network. A phase change is sent at once. `orphan_timeout` > 0 makes the process
+    exit (code 3) once the supervisor has been unreachable that long, so workers on remote hosts do not
+    outlive a dead supervisor. A reply that fails its MAC or echoes another counter counts as no reply.
     """
 
-    def __init__(self, address: str, identity: dict, interval: float = 0.5, orphan_timeout: float = 0.0):
+    def __init__(
+        self,
+        address: str,
+        identity: dict,
+        secret: bytes,
+        interval: float = 0.5,
+        orphan_timeout: float = 0.0,
+    ):
         host, port = address.rsplit(":", 1)
         self._addr = (host, int(port))
         self._identity = dict(identity)
+        self._secret = secret
+        self._sid, self._n = auth.session_id(), 0
         self._interval = interval
         self._orphan_timeout = orphan_timeout
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # the thread and close() may both send
         self._step, self._phase, self._start_step = -1, "starting", None
+        self._extra: dict = {}
         self._wake = threading.Event()
         self._closing = threading.Event()
         self.stop_event = threading.Event()  # set once the supervisor asked this group to stop
+        self.last_reply: dict = {}
         self._sock: socket.socket | None = None
         self._reader = None
         self._last_ok = time.monotonic()
@@ -124,11 +222,13 @@ class HeartbeatClient:
         self._thread.start()
         return self
 
-    def update(self, step: int, phase: str) -> None:
-        """Records the worker's current step and phase; cheap, never blocks on I/O."""
+    def update(self, step: int, phase: str, **extra) -> None:
+        """Records the worker's current step and phase (and any `extra` fields for the next beats); cheap,
+        never blocks on I/O."""
         with self._lock:
             changed = phase != self._phase
             self._step, self._phase = int(step), phase
+            self._extra.update(extra)
             if self._start_step is None and phase not in _PRE_RESTORE:
                 self._start_step = int(step)
         if changed:
@@ -145,7 +245,7 @@ class HeartbeatClient:
 
     def _message(self) -> dict:
         with self._lock:
-            msg = {"step": self._step, "phase": self._phase, "start_step": self._start_step}
+            msg = {"step": self._step, "phase": self._phase, "start_step": self._start_step, **self._extra}
         msg.update(self._identity)
         msg["where"] = main_thread_location(self._main_id) if self._main_id is not None else ""
         return msg
@@ -160,21 +260,28 @@ class HeartbeatClient:
             self._wake.clear()
 
     def _send_once(self) -> bool:
-        try:
-            if self._sock is None:
-                self._sock = socket.create_connection(self._addr, timeout=2.0)
-                self._reader = self._sock.makefile("rb")
-            self._sock.sendall((json.dumps(self._message()) + "\n").encode())
-            line = self._reader.readline()
-            if not line:
-                raise ConnectionError("supervisor closed the channel")
-            if json.loads(line).get("stop"):
-                self.stop_event.set()
-            self._last_ok = time.monotonic()
-            return True
-        except (OSError, ValueError):
-            self._disconnect()
-            return False
+        with self._send_lock:
+            try:
+                if self._sock is None:
+                    self._sock = socket.create_connection(self._addr, timeout=2.0)
+                    self._reader = self._sock.makefile("rb")
+                self._n += 1
+                msg = dict(self._message(), sid=self._sid, n=self._n)
+                self._sock.sendall(auth.sign(self._secret, msg))
+                line = self._reader.readline(auth.MAX_LINE + 1)
+                if not line:
+                    raise ConnectionError("supervisor closed the channel")
+                reply = auth.verify(self._secret, line)
+                if reply.get("sid") != self._sid or reply.get("n") != self._n:
+                    raise auth.Rejected("stale reply")
+                self.last_reply = reply
+                if reply.get("stop"):
+                    self.stop_event.set()
+                self._last_ok = time.monotonic()
+                return True
+            except (OSError, ValueError):
+                self._disconnect()
+                return False
 
     def _disconnect(self) -> None:
         for f in (self._reader, self._sock):

@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             *args.worker_arg,
         ],
         env={
+            # A JAX with mTLS for its coordination service reads these on every host (docs/elastic.md).
+            **{k: v for k, v in os.environ.items() if k.startswith("JAX_MTLS_")},
             "JAX_COMPILATION_CACHE_DIR": cache,
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",

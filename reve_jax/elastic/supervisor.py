@@ -14,6 +14,7 @@ import os
 import signal
 import time
 
+from reve_jax.elastic import auth
 from reve_jax.elastic import policy as P
 from reve_jax.elastic.channel import HeartbeatServer
 from reve_jax.elastic.events import EventLog, read_events, summary
@@ -60,7 +61,10 @@ class Supervisor:
         # A launch that resumes a run continues its attempt numbers, so logs and events stay apart.
         self.policy.next_attempt = _next_attempt(events_path)
         self.log = EventLog(events_path, clock)
-        self.server = HeartbeatServer(bind=getattr(backend, "heartbeat_bind", "0.0.0.0"), clock=clock)
+        # Listen only where the workers reach us; a fresh secret per run proves a beat comes from one of them.
+        self.server = HeartbeatServer(
+            bind=backend.heartbeat_bind(), clock=clock, max_connections=max(64, 4 * len(self.hosts))
+        )
         self.procs: dict[tuple[int, str], object] = {}  # (attempt, host) -> Proc, until reported gone
         self.probes: dict[str, tuple[object, float]] = {}  # host -> (Proc, start time)
         self.probe_count = 0
@@ -80,6 +84,7 @@ class Supervisor:
             },
         )
         handled_signals = 0
+        next_rejection_check = 0.0
         try:
             self._execute(self.policy.start(self.clock()))
             while self.policy.done is None:
@@ -101,16 +106,26 @@ class Supervisor:
                 events.append(P.Tick(now))
                 for ev in events:
                     self._execute(self.policy.step(ev))
+                if now >= next_rejection_check:  # at most one record a second, however many are dropped
+                    next_rejection_check = now + 1.0
+                    self._record_rejections()
                 time.sleep(self.poll_s)
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
             self._kill_everything()
+            self._record_rejections()
             self.server.close()
         done = self.policy.done
         print(summary(self.log.records), flush=True)
         self.log.close()
         return {"finished": EXIT_FINISHED, "preempted": EXIT_STOPPED}.get(done.status, EXIT_FAILED)
+
+    def _record_rejections(self) -> None:
+        rejected = self.server.take_rejections()
+        if rejected:
+            self.log.write("channel_rejected", rejected)
+            self._say(f"supervisor: dropped unauthenticated or malformed channel messages {rejected}")
 
     def _on_signal(self, signum, _frame) -> None:
         self._signals += 1
@@ -154,6 +169,8 @@ class Supervisor:
                 "REVE_JAX_HEARTBEAT_TIMEOUT": str(int(max(30, 4 * self.policy.config.heartbeat_timeout))),
                 "REVE_ORPHAN_TIMEOUT": str(self.worker.orphan_timeout),
                 "PYTHONUNBUFFERED": "1",
+                # Backends pass it out of band (environment, or stdin of ssh/srun), never on a command line.
+                auth.SECRET_ENV: self.server.secret.hex(),
             }
             log_path = os.path.join(self.workdir, "logs", f"attempt{a.attempt}_{host}.log")
             proc = self.backend.start(host, list(self.worker.argv), env, log_path)

@@ -19,11 +19,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import ipaddress
 import os
 import signal
 import sys
 import threading
 
+from reve_jax.elastic import auth
 from reve_jax.elastic.channel import HeartbeatClient
 
 
@@ -78,7 +80,10 @@ def init_from_env(environ: dict | None = None) -> WorkerContext:
         attempt=int(env.get("REVE_ATTEMPT", "0")),
         supervised=True,
     )
+    secret = auth.secret_from_env(env)  # removed from the environment: processes we start do not inherit it
     if env.get("REVE_HEARTBEAT"):
+        if secret is None:
+            raise RuntimeError(f"REVE_HEARTBEAT is set but {auth.SECRET_ENV} is not: the channel needs the secret")
         # Beat before joining: jax.distributed.initialize blocks until every process is in, and the supervisor
         # should see this process alive (phase "starting") meanwhile.
         identity = {
@@ -90,6 +95,7 @@ def init_from_env(environ: dict | None = None) -> WorkerContext:
         ctx._client = HeartbeatClient(
             env["REVE_HEARTBEAT"],
             identity,
+            secret,
             interval=float(env.get("REVE_HEARTBEAT_INTERVAL", "0.5")),
             orphan_timeout=float(env.get("REVE_ORPHAN_TIMEOUT", "0")),
         ).start()
@@ -117,24 +123,65 @@ def _join_jax(env, ctx: WorkerContext) -> None:
         "heartbeat_timeout_seconds": int(float(env.get("REVE_JAX_HEARTBEAT_TIMEOUT", "30"))),
         "shutdown_timeout_seconds": int(float(env.get("REVE_SHUTDOWN_TIMEOUT", "30"))),
     }
+    bind = coordinator_bind_address(env["REVE_COORDINATOR"])
+    if bind and ctx.process_id == 0:
+        kwargs["coordinator_bind_address"] = bind
     accepted = inspect.signature(jax.distributed.initialize).parameters
+    mtls = sorted(k for k in env if k.startswith("JAX_MTLS_"))
+    if mtls and not any(p.startswith("mtls_") for p in accepted):
+        # Asked for a protected coordination service that this JAX cannot give: refuse rather than run open.
+        raise RuntimeError(f"{mtls} set, but jax {jax.__version__} has no mTLS for jax.distributed (docs/elastic.md)")
     jax.distributed.initialize(**{k: v for k, v in kwargs.items() if k in accepted})
 
 
-def _install_signal_handlers(stop: threading.Event) -> None:
-    """SIGTERM/SIGINT ask for a clean stop; a second one exits at once. Installed after jax.distributed
-    joins, which installs JAX's own SIGTERM handler that this replaces."""
-    if threading.current_thread() is not threading.main_thread():
-        return
+def _signal_handler(stop: threading.Event):
+    """The one handler for SIGTERM/SIGINT, used by the worker and the trainer alike: the first asks for a clean
+    stop (the loop saves a checkpoint and exits), a second one exits at once."""
 
     def handler(signum, _frame):
         if stop.is_set():
+            print(f"signal {signum} again: exiting now", file=sys.stderr, flush=True)
             os._exit(128 + signum)
-        print(f"worker: signal {signum}, stopping at the next checkpoint", file=sys.stderr, flush=True)
+        print(f"signal {signum}: saving a checkpoint and stopping (again to exit now)", file=sys.stderr, flush=True)
         stop.set()
 
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGINT, handler)
+    return handler
+
+
+def coordinator_bind_address(coordinator: str) -> str:
+    """Returns the address JAX's coordination service should listen on: the coordinator's own address when it
+    is an IP literal (127.0.0.1 locally, the host's address on a cluster), so the unauthenticated service is
+    not offered on every interface; "" (JAX's default, all interfaces) for a host name, which may resolve
+    differently here than on the other hosts."""
+    host, _, port = coordinator.rpartition(":")
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        return ""
+    return f"{host}:{port}"
+
+
+def _install_signal_handlers(stop: threading.Event) -> None:
+    """Installed after jax.distributed joins, which installs JAX's own SIGTERM handler that this replaces."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _signal_handler(stop))
+
+
+@contextlib.contextmanager
+def stop_on_signals(stop: threading.Event):
+    """While inside: SIGTERM/SIGINT set `stop` (a second one exits at once); the previous handlers come back on
+    exit. A no-op off the main thread (signals are delivered there only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = {sig: signal.signal(sig, _signal_handler(stop)) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def any_process(flag: bool) -> bool:
