@@ -170,3 +170,14 @@ def test_init_from_env_single_process_and_stop_on_sigterm():
         for s, h in old.items():
             signal.signal(s, h)
         server.close()
+
+
+def test_stop_on_signals_sets_the_flag_and_restores_handlers():
+    before = signal.getsignal(signal.SIGTERM)
+    stop = threading.Event()
+    from reve_jax.elastic.worker import stop_on_signals
+
+    with stop_on_signals(stop):
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert wait_for(stop.is_set)
+    assert signal.getsignal(signal.SIGTERM) is before
