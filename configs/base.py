@@ -37,7 +37,6 @@ def get_config() -> ml_collections.ConfigDict:
     m.bottleneck = 64  # bottleneck patch embedding rank r (p*p*3 -> r -> width); 0 = plain linear embedding
     m.qk_norm = True  # RMSNorm on queries and keys
     m.rope_theta = 100.0  # base of the 2D rotary embedding over the patch grid
-    m.text_rope = False  # text tokens get position 0 rotations when False (no 1D positions for text)
     m.norm_eps = 1e-6
     m.dtype = "bfloat16"  # compute dtype; params stay in param_dtype
     m.param_dtype = "float32"
@@ -129,6 +128,9 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.ema = ml_collections.ConfigDict()
     c.ema.decays = (0.999,)  # one EMA of the parameters per decay; the first is used for sampling
+    # Warm-up: the n-th update uses min(decay, (1 - 1/n)^(1 + warmup_power)), an average over roughly the last
+    # 1/(1 + warmup_power) of the steps so far, until the fixed decay averages less; < 0 = off (fixed decay).
+    c.ema.warmup_power = 7.0
 
     c.mesh = ml_collections.ConfigDict()
     c.mesh.data = -1  # -1 takes the devices left after the other axes
@@ -152,7 +154,6 @@ def get_config() -> ml_collections.ConfigDict:
     tr.stop_on_nan = True
     tr.peak_tflops = 0.0  # device peak for MFU; 0 = 989 on H100/H200, a measured matmul peak on CPU
     tr.compile_cache = ""  # persistent XLA compilation cache directory ("" = off, or $JAX_COMPILATION_CACHE_DIR)
-    tr.profile = False
 
     c.sample = s = ml_collections.ConfigDict()
     s.sampler = "heun"  # euler | heun

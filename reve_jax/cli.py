@@ -37,11 +37,16 @@ def start_worker():
     return worker.init_from_env()
 
 
-def train(cfg, workdir, worker):
-    from reve_jax import trainer
+def train(cfg, workdir, worker, *, fresh: bool = False):
+    """Run the trainer; an error the user can act on (a config that does not fit the mesh, a checkpoint that
+    cannot be restored or saved) exits non-zero with its one-line message instead of a traceback."""
+    from reve_jax import checkpoint, sharding, trainer
 
     try:
-        return trainer.run(cfg, workdir, worker)
+        return trainer.run(cfg, workdir, worker, fresh=fresh)
+    except (config.ConfigError, sharding.MeshError, checkpoint.CheckpointError, trainer.NonFiniteError) as e:
+        logging.getLogger("reve_jax").debug("stopped by", exc_info=True)
+        sys.exit(f"error: {e}")
     finally:
         if worker is not None:
             worker.close()

@@ -40,14 +40,31 @@ class ConfigError(ValueError):
     """A config that cannot run; the message names the key and what to change."""
 
 
-def _load_module(path: str):
+def _use_configs_package(file: Path) -> None:
+    """Make `import configs...` inside a config file resolve to the `configs` folder that holds it (experiment
+    files start from `configs.base`), by registering that folder as the `configs` package: no sys.path edit."""
+    folder = next((p for p in file.resolve().parents if p.name == "configs" and (p / "__init__.py").is_file()), None)
+    if folder is None:
+        return
+    current = sys.modules.get("configs")
+    if current is not None and [str(folder)] == list(getattr(current, "__path__", [])):
+        return
+    for name in [m for m in sys.modules if m == "configs" or m.startswith("configs.")]:
+        del sys.modules[name]  # another configs/ tree was loaded before: its modules must not leak into this one
+    spec = importlib.util.spec_from_file_location(
+        "configs", folder / "__init__.py", submodule_search_locations=[str(folder)]
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["configs"] = module
+    spec.loader.exec_module(module)
+
+
+def load_module(path: str):
+    """Execute the config file `path` as a module (its `get_config`, and whatever else it defines)."""
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"config file {path!r} does not exist (try configs/tiny.py)")
-    # Experiment files import `configs.base`: make the folder that holds configs/ importable.
-    root = str(file.resolve().parent.parent)
-    if root not in sys.path:
-        sys.path.insert(0, root)
+    _use_configs_package(file)
     spec = importlib.util.spec_from_file_location(f"reve_config_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -60,7 +77,7 @@ def load_config(spec: str, overrides: list[str] = ()) -> ml_collections.ConfigDi
     """Load `path[:arg]`, apply `a.b=value` overrides (the `--config.` prefix is optional), validate, and return
     a locked ConfigDict."""
     path, _, arg = spec.partition(":")
-    module = _load_module(path)
+    module = load_module(path)
     takes_arg = len(inspect.signature(module.get_config).parameters) > 0
     try:
         cfg = module.get_config(arg or None) if takes_arg else module.get_config()

@@ -14,6 +14,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from reve_jax.config import CHOICES
+
 
 def to_unit(image):
     """Pixels uint8 [0, 255] -> float32 [-1, 1] (numpy or jax arrays); floating inputs are taken as already in
@@ -112,8 +114,8 @@ def cfg_velocity(v_cond: jax.Array, v_uncond: jax.Array, t: jax.Array, scale: fl
 def sample(velocity: VelocityFn, noise: jax.Array, steps: int, sampler: str, shift: float = 1.0) -> jax.Array:
     """Integrate from z_0 = noise to t = 1 with Euler or Heun (Heun's correction on every step but the last,
     where v at t = 1 is not defined). `velocity(z, t[B])` returns v_hat. Returns the final z (the image)."""
-    if sampler not in ("euler", "heun"):
-        raise ValueError(f"sample.sampler={sampler!r} is not one of ('euler', 'heun')")
+    if sampler not in CHOICES["sample.sampler"]:
+        raise ValueError(f"sample.sampler={sampler!r} is not one of {CHOICES['sample.sampler']}")
     ts = time_grid(steps, shift)
     b = noise.shape[0]
 
@@ -139,6 +141,19 @@ def downsample(images: jax.Array, factor: int) -> jax.Array:
     return images.reshape(b, h // factor, factor, w // factor, factor, c).mean(axis=(2, 4))
 
 
-def ema_update(ema, params, decay: float):
+def ema_decay(decay: float, updates: jax.Array, warmup_power: float) -> jax.Array:
+    """The decay of the `updates`-th EMA update (1 for the first): min(decay, (1 - 1/n)^(1 + warmup_power)).
+
+    Early in training a fixed decay keeps the initial weights in the average for 1/(1 - decay) steps (at 0.998,
+    67% of the step-200 EMA is the initial weights). The warm-up follows Karras et al.'s power-function EMA,
+    whose weight on past iterates grows as their step^warmup_power (about the last 1/(1 + warmup_power) of
+    training), until that average is longer than the fixed decay's. warmup_power < 0 switches it off."""
+    if warmup_power < 0:
+        return jnp.asarray(decay, jnp.float32)
+    n = jnp.maximum(updates.astype(jnp.float32), 1.0)
+    return jnp.minimum(decay, (1.0 - 1.0 / n) ** (1.0 + warmup_power))
+
+
+def ema_update(ema, params, decay):
     """One EMA step in fp32: ema <- decay * ema + (1 - decay) * params."""
     return jax.tree.map(lambda e, p: e + (1.0 - decay) * (p.astype(e.dtype) - e), ema, params)

@@ -30,9 +30,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-OPTIMIZERS = ("adamw", "muon")
-SCHEDULES = ("constant", "cosine", "linear")
-MUON_SCALES = ("moonlight", "keller")
+from reve_jax.config import CHOICES
+
+OPTIMIZERS = CHOICES["optim.name"]
+SCHEDULES = CHOICES["optim.schedule"]
+MUON_SCALES = CHOICES["optim.muon_scale"]
 NS_COEFFS = (3.4445, -4.7750, 2.0315)  # quintic Newton-Schulz coefficients (Keller Jordan's Muon)
 NS_EPS = 1e-7  # keeps the Frobenius normalisation finite for an all-zero update
 
@@ -189,6 +191,21 @@ def describe_param_groups(params, labels) -> str:
         lines.append(f"total {group}: {n:,} parameters in {tensors} tensors ({100 * n / max(total, 1):.1f}%)")
     lines.append(f"total: {total:,} parameters in {len(rows)} tensors")
     return "\n".join(lines)
+
+
+def group_summary(params, labels) -> list[str]:
+    """One line per optimizer group: its parameter and tensor counts and share (for the console; the full table
+    is `describe_param_groups`)."""
+    counts: dict[str, list[int]] = {}
+    for leaf, group in zip(jax.tree.leaves(params), jax.tree.leaves(labels), strict=True):
+        c = counts.setdefault(group, [0, 0])
+        c[0] += math.prod(leaf.shape)
+        c[1] += 1
+    total = max(sum(c[0] for c in counts.values()), 1)
+    return [
+        f"optimizer group {g}: {n:,} parameters in {k} tensors ({100 * n / total:.1f}%)"
+        for g, (n, k) in sorted(counts.items())
+    ]
 
 
 # -------------------------------------------------------------------------------------------------- Schedules

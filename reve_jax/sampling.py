@@ -10,6 +10,9 @@ from flax import nnx
 
 from reve_jax import diffusion
 from reve_jax.data import tokenizer
+from reve_jax.objective import model_params
+
+__all__ = ["encode_prompts", "fixed_noise", "make_sampler", "model_params", "render_from_checkpoint"]
 
 
 def encode_prompts(prompts: list[str], max_len: int) -> dict:
@@ -88,7 +91,7 @@ def render_from_checkpoint(
     setup = train_state.make_setup(cfg, mesh)
     state, meta = ckpt.restore_latest(setup.abstract_state)
     ckpt.close()
-    params = state["ema"]["ema0"] if use_ema else state["params"]
+    params = state["ema"]["ema0"] if use_ema else model_params(state["params"])
     fn = make_sampler(cfg, setup.graphdef, steps=steps, cfg_scale=cfg_scale, sampler=sampler)
     text = encode_prompts(list(prompts), cfg.text.max_len)
     noise = fixed_noise(cfg, len(prompts), seed)

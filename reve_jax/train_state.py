@@ -1,7 +1,8 @@
 """The train state and the one pure train step.
 
-The state is a plain dict: `params` (pure dict of the DiT's parameters), `opt_state`, `ema` (one params-shaped
-tree per decay), `step` (int32 scalar) and `rng` (raw key data). Everything is created sharded from abstract
+The state is a plain dict: `params` (pure dict of the DiT's parameters, plus `heads`, the objective's trainable
+heads, when a loss term has one), `opt_state`, `ema` (one tree of the model's parameters per decay), `step` (int32
+scalar: updates so far) and `rng` (raw key data). Everything is created sharded from abstract
 shapes: nothing is materialised unsharded.
 """
 
@@ -15,7 +16,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from reve_jax import diffusion, losses, optim, sharding
+from reve_jax import diffusion, objective, optim, sharding
 from reve_jax.data import tokenizer
 from reve_jax.model.dit import DDT, DiT
 
@@ -37,26 +38,45 @@ class Setup:
 
     cfg: object
     mesh: jax.sharding.Mesh
-    graphdef: object
+    graphdef: object  # the model's (sampling and evaluation merge it with `model_params`)
+    heads_graphdef: object | None  # the objective's trainable heads, None when no term has one
     optimizer: optax.GradientTransformation
     lr_schedule: object
     abstract_state: dict  # ShapeDtypeStructs with shardings: the restore target
     state_shardings: dict
     param_labels: object
-    frozen: losses.FrozenNets  # frozen feature networks for perceptual losses (empty when unused)
+    logical: dict  # the params tree's logical axis names (PartitionSpecs)
+    frozen: objective.FrozenNets  # frozen feature networks of the loss terms (empty when unused)
 
 
 def ema_keys(cfg) -> list[str]:
     return [f"ema{i}" for i in range(len(cfg.ema.decays))]
 
 
+model_params = objective.model_params
+
+
+def _split_trainable(model, heads):
+    """(model graphdef, heads graphdef or None, params pure dict, logical specs pure dict) of the trainables."""
+    graphdef, variables = nnx.split(model)
+    params = nnx.to_pure_dict(variables)
+    logical = nnx.to_pure_dict(nnx.get_partition_spec(variables))
+    heads_graphdef = None
+    if heads is not None:
+        heads_graphdef, head_vars = nnx.split(heads)
+        params[objective.HEADS] = nnx.to_pure_dict(head_vars)
+        logical[objective.HEADS] = nnx.to_pure_dict(nnx.get_partition_spec(head_vars))
+    return graphdef, heads_graphdef, params, logical
+
+
 def make_setup(cfg, mesh, *, frozen: bool = True) -> Setup:
     """Derive graph, optimizer, shardings and abstract state from the config, without allocating weights.
     `frozen=False` skips loading the perceptual networks (for tools that only move the state around)."""
-    abstract_model = nnx.eval_shape(lambda: build_model(cfg))
-    graphdef, abstract_vars = nnx.split(abstract_model)
-    logical = nnx.to_pure_dict(nnx.get_partition_spec(abstract_vars))
-    abstract_params = nnx.to_pure_dict(abstract_vars)
+    heads = nnx.eval_shape(lambda: objective.build_heads(cfg)) if objective.has_heads(cfg) else None
+    graphdef, heads_graphdef, abstract_params, logical = _split_trainable(
+        nnx.eval_shape(lambda: build_model(cfg)), heads
+    )
+    abstract_model_params = model_params(abstract_params)
     rules = tuple(cfg.mesh.rules)
     p_shard = sharding.param_shardings(abstract_params, logical, rules, mesh)
     opt, schedule = optim.build_optimizer(cfg.optim, abstract_params, cfg.train.steps)
@@ -66,21 +86,21 @@ def make_setup(cfg, mesh, *, frozen: bool = True) -> Setup:
     state_shardings = {
         "params": p_shard,
         "opt_state": o_shard,
-        "ema": {k: p_shard for k in ema_keys(cfg)},
+        "ema": {k: model_params(p_shard) for k in ema_keys(cfg)},
         "step": replicated,
         "rng": replicated,
     }
     abstract = {
         "params": abstract_params,
         "opt_state": abstract_opt,
-        "ema": {k: abstract_params for k in ema_keys(cfg)},
+        "ema": {k: abstract_model_params for k in ema_keys(cfg)},
         "step": jax.ShapeDtypeStruct((), jnp.int32),
         "rng": jax.ShapeDtypeStruct((2,), jnp.uint32),
     }
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_shardings)
     labels = optim.param_groups(cfg.optim, abstract_params)
-    nets = losses.load_frozen(cfg, mesh) if frozen else losses.FrozenNets({}, {})
-    return Setup(cfg, mesh, graphdef, opt, schedule, abstract, state_shardings, labels, nets)
+    nets = objective.load_frozen(cfg, mesh) if frozen else objective.no_frozen()
+    return Setup(cfg, mesh, graphdef, heads_graphdef, opt, schedule, abstract, state_shardings, labels, logical, nets)
 
 
 def init_state(setup: Setup) -> dict:
@@ -88,12 +108,13 @@ def init_state(setup: Setup) -> dict:
     cfg = setup.cfg
 
     def init():
-        params = nnx.to_pure_dict(nnx.split(build_model(cfg, cfg.seed))[1])
+        _, _, params, _ = _split_trainable(build_model(cfg, cfg.seed), objective.build_heads(cfg, cfg.seed))
         params = jax.tree.map(lambda x: x.astype(jnp.dtype(cfg.model.param_dtype)), params)
+        ema = jax.tree.map(lambda x: x.astype(jnp.float32), model_params(params))
         return {
             "params": params,
             "opt_state": setup.optimizer.init(params),
-            "ema": {k: jax.tree.map(lambda x: x.astype(jnp.float32), params) for k in ema_keys(cfg)},
+            "ema": {k: ema for k in ema_keys(cfg)},
             "step": jnp.zeros((), jnp.int32),
             "rng": jax.random.key_data(jax.random.key(cfg.seed + 1)),
         }
@@ -106,41 +127,10 @@ def global_norm(tree) -> jax.Array:
     return optax.tree.norm(jax.tree.map(lambda x: x.astype(jnp.float32), tree))
 
 
-def text_inputs(batch: dict) -> dict:
-    return {k: batch[k] for k in ("tokens", "text_emb", "text_mask") if k in batch}
-
-
 def make_loss_fn(setup: Setup):
-    """loss(params, batch, key, frozen) -> (scalar loss, metrics): the training objective for one (micro) batch;
-    `frozen` holds the perceptual networks' parameters."""
-    cfg, graphdef = setup.cfg, setup.graphdef
-    dcfg = cfg.diffusion
-    routed = cfg.model.route.enabled
-
-    grid = (cfg.data.image_size // cfg.model.patch,) * 2
-
-    def loss_fn(params, batch, key, frozen):
-        model = nnx.merge(graphdef, params)
-        x = diffusion.to_unit(batch["image"])  # uint8 from the pipeline
-        b = x.shape[0]
-        k_t, k_noise, k_drop, k_route = jax.random.split(key, 4)
-        t = diffusion.sample_t(k_t, b, dcfg)
-        noise = dcfg.noise_scale * jax.random.normal(k_noise, x.shape, x.dtype)
-        z = diffusion.interpolate(x, noise, t)
-        drop = jax.random.uniform(k_drop, (b,)) < dcfg.caption_drop
-        out, aux = model(z, t, text_inputs(batch), drop=drop, route_key=k_route if routed else None)
-        per_sample, x_hat = diffusion.loss_terms(out, x, noise, z, t, dcfg)
-        terms = {"loss_fm": per_sample.mean()}
-        terms.update(losses.extra_terms(cfg, setup.frozen.graphdefs, frozen, x_hat, x, t, aux, grid))
-        if "enc_out" in aux:  # JIT-DDT: the encoder's own v-loss on the downsampled image
-            d = cfg.model.ddt.enc_downsample
-            pool = lambda a: diffusion.downsample(a, d)  # noqa: E731
-            enc, _ = diffusion.loss_terms(aux["enc_out"], pool(x), pool(noise), pool(z), t, dcfg)
-            terms["loss_enc"] = cfg.model.ddt.enc_loss_weight * enc.mean()
-        loss = sum(terms.values())
-        return loss, dict(terms, loss=loss)
-
-    return loss_fn
+    """loss(params, batch, key, frozen) -> (scalar loss, metrics): the objective (`objective.py`) for one (micro)
+    batch; `frozen` holds the frozen networks' parameters."""
+    return objective.make_loss_fn(setup.cfg, setup.graphdef, setup.heads_graphdef, setup.frozen.graphdefs)
 
 
 def make_train_step(setup: Setup):
@@ -173,8 +163,11 @@ def make_train_step(setup: Setup):
             metrics = jax.tree.map(lambda m: m / accum, metrics)
         updates, opt_state = setup.optimizer.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
+        step = state["step"] + 1  # updates so far, this one included
+        new_model = model_params(new_params)
         ema = {
-            k: diffusion.ema_update(state["ema"][k], new_params, d) for k, d in zip(ema_keys(cfg), decays, strict=True)
+            k: diffusion.ema_update(state["ema"][k], new_model, diffusion.ema_decay(d, step, cfg.ema.warmup_power))
+            for k, d in zip(ema_keys(cfg), decays, strict=True)
         }
         metrics = dict(
             metrics,
@@ -183,7 +176,7 @@ def make_train_step(setup: Setup):
             update_norm=global_norm(updates),
             lr=setup.lr_schedule(state["step"]),
         )
-        new_state = dict(state, params=new_params, opt_state=opt_state, ema=ema, step=state["step"] + 1)
+        new_state = dict(state, params=new_params, opt_state=opt_state, ema=ema, step=step)
         return new_state, metrics
 
     return train_step

@@ -5,12 +5,9 @@
     python scripts/bench_host.py ckpt --gb 2
 """
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from reve_jax.bench import host  # noqa: E402
+from reve_jax.bench import host
 
 if __name__ == "__main__":
     host.main()

@@ -18,10 +18,9 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from reve_jax.elastic import events as events_file
 
-from reve_jax.elastic import events as events_file  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY = [
     "--config.model.depth=1", "--config.model.width=32", "--config.model.heads=2", "--config.text.width=32",
@@ -69,6 +68,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=None, help="picks the step and the host to kill")
     p.add_argument("--gpus-per-host", type=int, default=0, help="GPUs per local process (default: CPU devices)")
     p.add_argument("--readmit", action="store_true", help="the killed host may rejoin once its probe passes")
+    p.add_argument("--no-precompile", action="store_true", help="no compile-ahead (the launcher's flag)")
     p.add_argument("--workdir", default="")
     p.add_argument("--timeout", type=float, default=600.0)
     args = p.parse_args()
@@ -92,6 +92,7 @@ def main() -> int:
         "--group-sizes", "auto" if real else "any", "--probe-interval", "1", f"--config.train.steps={steps}",
         f"--config.train.ckpt_every={every}", f"--gpus-per-host={args.gpus_per_host}",
         *(TINY if real else ["--worker-arg=--fake.step_time=0.1"]),
+        *(["--no-precompile"] if args.no_precompile else []),
     ]  # fmt: skip
     print(
         f"bench: {args.trainer} worker, {args.hosts} hosts, {steps} steps, checkpoint every {every}; "
@@ -102,6 +103,9 @@ def main() -> int:
         launcher = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             wait(lambda: newest_step(workdir) >= kill_step, args.timeout, f"step {kill_step}")
+            if real and not args.no_precompile:  # a failure hours into a run finds the next size compiled
+                ahead = lambda: any(r["event"] == "precompile" for r in read_events(workdir))  # noqa: E731
+                wait(ahead, args.timeout, "compile-ahead")
             spawn = [r for r in read_events(workdir) if r["event"] == "spawn"][-1]
             t_kill = time.time()
             os.kill(spawn["pids"][victim], signal.SIGKILL)

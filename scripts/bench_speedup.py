@@ -6,8 +6,9 @@ fully decayed LR, in steps, samples, FLOPs and wall clock to first reach the bas
     python scripts/bench_speedup.py --size gpu --quick --out runs/gpu_chk  # the gpu size's code path, shrunk
     python scripts/bench_speedup.py --rescore --out runs/speedup_cpu       # alignment again, from saved images
 
-Writes <out>/speedup.md (tables), <out>/speedup.png (quality against wall clock and steps), <out>/results.json and
-one JSON per run in <out>/runs/ (finished runs are reused when started again). See reve_jax/eval/speedup.py.
+A size is a config file, configs/speedup/<size>.py (or give a path). Writes <out>/speedup.md (tables),
+<out>/speedup.png (quality against wall clock and steps), <out>/results.json and one trainer workdir and JSON per
+run in <out>/runs/ (a killed benchmark resumes; finished runs are reused). See reve_jax/eval/speedup.py.
 """
 
 import argparse
@@ -15,17 +16,25 @@ import dataclasses
 import logging
 import os
 import platform
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from reve_jax import xla
+from reve_jax.eval import speedup
 
-from reve_jax.eval import speedup  # noqa: E402
+SIZES = Path(__file__).resolve().parents[1] / "configs" / "speedup"
+
+
+def size_path(size: str) -> Path:
+    path = Path(size) if size.endswith(".py") else SIZES / f"{size}.py"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in SIZES.glob("*.py") if p.stem not in ("__init__", "shared")))
+        raise SystemExit(f"error: no speedup size {size!r} ({path} does not exist); sizes: {known}")
+    return path
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--size", choices=sorted(speedup.SIZES), default="cpu")
+    p.add_argument("--size", default="cpu", help="a size name (configs/speedup/<size>.py) or a size file")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--methods", help="comma-separated methods (default: the size's: recipe and each technique)")
     p.add_argument("--seeds", help="comma-separated seeds (default: the size's)")
@@ -44,7 +53,7 @@ def main(argv=None):
         print((Path(args.out) / "speedup.md").read_text())
         return
 
-    size = speedup.SIZES[args.size]
+    size = speedup.load_protocol(size_path(args.size))
     extra = [x.removeprefix("--").removeprefix("config.") for x in args.config]
     if args.quick:  # the size's model and code path, a few steps of a small batch
         size = dataclasses.replace(size, steps=4, eval_every=2, n_eval=8, seeds=size.seeds[:1], lrs=size.lrs[:2])
@@ -60,7 +69,7 @@ def main(argv=None):
     size = dataclasses.replace(size, **{k: v for k, v in changes.items() if v is not None})
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     out = Path(args.out)
-    speedup.enable_compile_cache(Path(args.cache or out / "cache") / "xla")
+    xla.enable_compile_cache(Path(args.cache or out / "cache") / "xla")
     print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", flush=True)
     results = speedup.run_benchmark(
         size,

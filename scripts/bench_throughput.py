@@ -5,12 +5,9 @@ reve_jax/bench/throughput.py; results and method in docs/performance.md).
     python scripts/bench_throughput.py --preset tiny --steps 2 --config.model.dtype=float32   # CPU smoke run
 """
 
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from reve_jax.bench import throughput  # noqa: E402
+from reve_jax.bench import throughput
 
 if __name__ == "__main__":
     throughput.main()

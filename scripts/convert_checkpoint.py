@@ -9,11 +9,8 @@ the same weights). The source is only read; the destination must hold no checkpo
 
 import argparse
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from reve_jax import checkpoint, cli, config, convert  # noqa: E402
+from reve_jax import checkpoint, cli, config, convert
 
 
 def main(argv=None) -> dict:

@@ -15,13 +15,10 @@ downloaded: see docs/perceptual.md for where the official files come from.
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 # Run as `python scripts/convert_weights.py` from a checkout: make the package importable without installing.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from reve_jax.perceptual.weights import convert_dinov2, convert_lpips  # noqa: E402
+from reve_jax.perceptual.weights import convert_dinov2, convert_lpips
 
 
 def main(argv: list[str] | None = None) -> Path:

@@ -6,11 +6,8 @@ See reve_jax/elastic/launch.py for the options and docs/elastic.md for the desig
 """
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from reve_jax.elastic.launch import main  # noqa: E402
+from reve_jax.elastic.launch import main
 
 if __name__ == "__main__":
     sys.exit(main())

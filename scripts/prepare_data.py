@@ -20,13 +20,9 @@ captions are skipped and listed in <out>/manifest.json.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 # Run as `python scripts/prepare_data.py` from a checkout: make the package importable without installing.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from reve_jax.data import buckets, prepare  # noqa: E402
+from reve_jax.data import buckets, prepare
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -4,12 +4,9 @@ python scripts/sample.py --workdir runs/tiny --prompt "a large red circle in the
 """
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from reve_jax import cli  # noqa: E402
+from reve_jax import cli
+from reve_jax.config import CHOICES
 
 
 def main(argv=None):
@@ -19,7 +16,7 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="PNG path (default <workdir>/samples/cli.png)")
     parser.add_argument("--steps", type=int, default=None, help="sampler steps (default: the run's sample.steps)")
     parser.add_argument("--cfg-scale", type=float, default=None, help="guidance scale (default: sample.cfg_scale)")
-    parser.add_argument("--sampler", choices=("euler", "heun"), default=None)
+    parser.add_argument("--sampler", choices=CHOICES["sample.sampler"], default=None)
     parser.add_argument("--seed", type=int, default=0, help="noise seed")
     parser.add_argument("--raw", action="store_true", help="use the raw parameters instead of the first EMA")
     args = parser.parse_args(argv)

@@ -13,12 +13,9 @@ docs/planning.md describes the model and its calibration.
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from reve_jax.plan import cluster, interval, report, sim  # noqa: E402
+from reve_jax.plan import cluster, interval, report, sim
 
 
 def main(argv=None):

@@ -2,28 +2,27 @@
 
     python scripts/train.py --config configs/tiny.py --workdir runs/tiny [--config.model.depth=4 ...]
 
-Resumes from the newest checkpoint in --workdir. Under the elastic launcher (scripts/launch.py) the REVE_*
-environment variables make this process join a multi-process job.
+Resumes from the newest checkpoint in --workdir. A workdir that holds checkpoints (or checkpoints set aside as
+corrupt) never starts over at step 0 unless --fresh is given; the old checkpoints are then kept in
+<workdir>/checkpoints_replaced/. Under the elastic launcher (scripts/launch.py) the REVE_* environment variables
+make this process join a multi-process job (the launcher never passes --fresh).
 """
 
 import argparse
 import logging
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from reve_jax import cli  # noqa: E402
+from reve_jax import cli
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="config file, optionally path:arg")
     parser.add_argument("--workdir", required=True, help="run directory (checkpoints, metrics, samples)")
+    parser.add_argument("--fresh", action="store_true", help="start at step 0 even where checkpoints exist")
     args, overrides = parser.parse_known_args(argv)
     worker = cli.start_worker()
     cfg = cli.load_config_or_exit(args.config, overrides)
-    summary = cli.train(cfg, args.workdir, worker)
+    summary = cli.train(cfg, args.workdir, worker, fresh=args.fresh)
     logging.getLogger("reve_jax").info("done: %s", summary)
 
 

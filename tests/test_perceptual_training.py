@@ -9,7 +9,7 @@ import pytest
 from flax import nnx
 from util import tiny_config
 
-from reve_jax import losses, sharding, trainer
+from reve_jax import objective, sharding, trainer
 from reve_jax.config import ConfigError
 from reve_jax.perceptual import LPIPS, DinoV2, DinoV2Config
 from reve_jax.perceptual.weights import export_dinov2, export_lpips
@@ -52,21 +52,51 @@ def test_trainer_runs_with_every_perceptual_term_on_8_devices(weight_files, tmp_
         np.testing.assert_allclose(m["loss"], total, rtol=1e-5)
 
 
+def _terms(cfg, frozen, x_hat, x, t, aux, heads):
+    nets = {k: nnx.merge(frozen.graphdefs[k], frozen.states[k]) for k in frozen.graphdefs}
+    ctx = objective.Context(cfg, x, x_hat, x, x, t, aux, heads, nets)
+    return objective.terms_of(cfg, ctx, np.zeros((x.shape[0],), np.float32))
+
+
 def test_perceptual_gate_on_t_switches_terms_off(weight_files):
     cfg = _cfg(weight_files, "loss.perceptual_t_min=1.0")  # t < 1 always: no sample passes the gate
-    setup_mesh = sharding.make_mesh(cfg.mesh)
-    frozen = losses.load_frozen(cfg, setup_mesh)
+    frozen = objective.load_frozen(cfg, sharding.make_mesh(cfg.mesh))
+    heads = objective.build_heads(cfg)
     rng = np.random.default_rng(0)
     x = rng.uniform(-1, 1, (2, 16, 16, 3)).astype(np.float32)
     x_hat = x + 0.3
     t = np.array([0.2, 0.9], np.float32)
-    aux = {"repa": rng.standard_normal((2, 16, 16)).astype(np.float32), "repa_idx": np.tile(np.arange(16), (2, 1))}
-    gated = losses.extra_terms(cfg, frozen.graphdefs, frozen.states, x_hat, x, t, aux, (4, 4))
+    aux = {"repa": rng.standard_normal((2, 16, 32)).astype(np.float32), "repa_idx": np.tile(np.arange(16), (2, 1))}
+    gated = _terms(cfg, frozen, x_hat, x, t, aux, heads)
     assert float(gated["loss_lpips"]) == 0.0 and float(gated["loss_dino"]) == 0.0
     assert float(gated["loss_repa"]) > 0  # REPA is not gated
     open_cfg = _cfg(weight_files, "loss.perceptual_t_min=0.5")
-    half = losses.extra_terms(open_cfg, frozen.graphdefs, frozen.states, x_hat, x, t, aux, (4, 4))
+    half = _terms(open_cfg, frozen, x_hat, x, t, aux, heads)
     assert float(half["loss_lpips"]) > 0 and float(half["loss_dino"]) > 0
+
+
+@pytest.mark.parametrize("hw", [(16, 16), (16, 24)])
+def test_repa_targets_follow_the_batch_image_shape(weight_files, hw):
+    """REPA's token grid comes from the batch's images (resolution stages, aspect buckets), not data.image_size:
+    the term equals 1 - cos against DINOv2 tokens resampled onto (H/p, W/p), computed here from the parts."""
+    cfg = _cfg(weight_files)
+    frozen = objective.load_frozen(cfg, sharding.make_mesh(cfg.mesh))
+    heads = objective.build_heads(cfg)
+    rng = np.random.default_rng(1)
+    h, w = hw
+    n = (h // cfg.model.patch) * (w // cfg.model.patch)
+    x = rng.uniform(-1, 1, (2, h, w, 3)).astype(np.float32)
+    tokens = rng.standard_normal((2, n, cfg.model.width)).astype(np.float32)
+    aux = {"repa": tokens, "repa_idx": np.tile(np.arange(n), (2, 1))}
+    got = float(_terms(cfg, frozen, x, x, np.ones(2, np.float32), aux, heads)["loss_repa"])
+    dino = nnx.merge(frozen.graphdefs["dino"], frozen.states["dino"])
+    feats = np.asarray(dino(jax.image.resize(x, (2, 28, 28, 3), "linear", antialias=True)).patch)  # [2, 4, 16]
+    grid = (h // cfg.model.patch, w // cfg.model.patch)
+    target = np.asarray(jax.image.resize(feats.reshape(2, 2, 2, -1), (2, *grid, 16), "linear", antialias=True))
+    proj = np.asarray(heads.repa(tokens)).reshape(2, n, 16).astype(np.float64)
+    target = target.reshape(2, n, 16).astype(np.float64)
+    cos = (proj * target).sum(-1) / (np.linalg.norm(proj, axis=-1) * np.linalg.norm(target, axis=-1))
+    np.testing.assert_allclose(got, 0.5 * np.mean(1 - cos), rtol=1e-4)
 
 
 def test_missing_weights_are_clear_errors(weight_files, tmp_path):
@@ -74,7 +104,7 @@ def test_missing_weights_are_clear_errors(weight_files, tmp_path):
         tiny_config("loss.lpips_weight=0.1")
     cfg = _cfg(weight_files, f"loss.lpips_path='{tmp_path / 'nope.npz'}'")
     with pytest.raises(FileNotFoundError, match="convert_weights.py lpips"):
-        losses.load_frozen(cfg, sharding.make_mesh(cfg.mesh))
+        objective.load_frozen(cfg, sharding.make_mesh(cfg.mesh))
     cfg = _cfg(weight_files, "loss.repa_dim=768")
     with pytest.raises(ValueError, match="loss.repa_dim=16"):
-        losses.load_frozen(cfg, sharding.make_mesh(cfg.mesh))
+        objective.load_frozen(cfg, sharding.make_mesh(cfg.mesh))

@@ -3,8 +3,11 @@
 
 import importlib
 
+from reve_jax.config import apply_override
+
 SIZES = ("tiny", "jit_b16", "prx_1b")
 TECHNIQUES = ("jit", "bottleneck", "tread", "muon", "ddt")
+RECIPE = ("jit", "bottleneck", "tread", "muon")
 
 
 def sized(size: str):
@@ -69,4 +72,28 @@ def build(arg: str | None, default_techniques: tuple[str, ...]):
     c = baseline(base)
     for t in techniques:
         c = apply(c, t, rank)
+    return c
+
+
+def techniques_of(method: str) -> tuple[str, ...]:
+    """'baseline' -> (), 'recipe' -> RECIPE, 'recipe+ddt' -> RECIPE + ('ddt',), 'tread+muon' -> both."""
+    if method == "baseline":
+        return ()
+    if method.startswith("recipe"):
+        return RECIPE + tuple(t for t in method.split("+")[1:] if t)
+    return tuple(method.split("+"))
+
+
+def method_config(size: str, model: tuple[str, ...], train: tuple[str, ...], method: str):
+    """A benchmark run's config: the `size` experiment config with the `model` overrides (model and data size), made
+    the baseline, the method's techniques switched on, then the `train` overrides (budget, batch, schedule)."""
+    c = sized(size)
+    for item in model:
+        apply_override(c, item)
+    rank = c.model.bottleneck or 32
+    c = baseline(c)
+    for t in techniques_of(method):
+        c = apply(c, t, rank)
+    for item in train:
+        apply_override(c, item)
     return c

@@ -107,7 +107,7 @@ def _print(row: dict, json_path: str | None) -> None:
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", choices=("input", "ckpt"))
-    p.add_argument("--preset", default="dit-b2", choices=sorted(throughput.PRESETS), help="input: the data config")
+    p.add_argument("--preset", default="dit-b2", choices=throughput.presets(), help="input: the data config")
     p.add_argument("--config", default=None, help="input: a config file instead of a preset")
     p.add_argument("--batch", type=int, default=64, help="input: images per batch")
     p.add_argument("--batches", type=int, default=8, help="input: batches per timed run")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -24,11 +24,10 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
-from reve_jax import checkpoint, config, flops, metrics, sharding, train_state
+from reve_jax import batch as batch_lib
+from reve_jax import builder, checkpoint, config, flops, hooks, loop, metrics
 from reve_jax.bench.peer import attention_check, run_peer
-from reve_jax.data import pipeline, tokenizer
 from reve_jax.model import layers
 from reve_jax.xla import enable_compile_cache
 
@@ -38,93 +37,28 @@ GIB = 2**30
 
 
 # ---------------------------------------------------------------------------------------------------- Presets
-@dataclasses.dataclass(frozen=True)
-class Preset:
-    """A config file (relative to the repo) with overrides, and the batch the benchmark uses by default."""
-
-    config: str
-    overrides: tuple[str, ...]
-    batch: int
+PRESET_DIR = REPO / "configs" / "bench"  # --preset dit-xl2 is configs/bench/dit_xl2.py
 
 
-# DiT's latent 32x32 grid at patch 2 is 256 tokens; in pixel space that is 256 px at patch 16. A plain linear patch
-# embedding (bottleneck 0) and a GELU-equivalent SwiGLU (mlp_ratio 4) match DiT's block FLOPs. One-object captions
-# (13 tokens, max_len 16) keep the text tokens that ride along in every block to 6% of the sequence. TREAD routes
-# blocks [2, depth-2), as the plain JAX reference step in RECIPE.md section 8 did.
-_DIT = (
-    "model.patch=16",
-    "model.bottleneck=0",
-    "model.mlp_ratio=4.0",
-    "model.rope_theta=10000.0",
-    "data.image_size=256",
-    "data.max_objects=1",
-    "text.max_len=16",
-    "model.route.start=2",
-    "model.route.end=-2",
-)
-PRESETS = {
-    "dit-b2": Preset("configs/base.py", _DIT + ("model.width=768", "model.depth=12", "model.heads=12"), 256),
-    "dit-xl2": Preset("configs/base.py", _DIT + ("model.width=1152", "model.depth=28", "model.heads=16"), 256),
-    # Photoroom routes blocks 2..12 of 16 (RECIPE.md section 3).
-    "prx-1b": Preset("configs/prx_1b.py", ("model.route.start=2", "model.route.end=-4"), 128),
-    # CPU smoke test: compiles in seconds.
-    "tiny": Preset(
-        "configs/tiny.py",
-        (
-            "model.width=32",
-            "model.depth=3",
-            "model.heads=2",
-            "model.patch=4",
-            "model.bottleneck=0",
-            "model.route.start=1",
-            "model.route.end=-1",
-            "text.width=32",
-            "text.depth=1",
-            "text.heads=2",
-            "text.max_len=16",
-            "data.image_size=16",
-            "data.max_objects=1",
-            "data.worker_threads=0",
-        ),
-        8,
-    ),
-}
+def presets() -> list[str]:
+    return sorted(p.stem.replace("_", "-") for p in PRESET_DIR.glob("*.py") if p.stem not in ("__init__", "shared"))
+
+
+def preset_path(preset: str) -> Path:
+    path = PRESET_DIR / f"{preset.replace('-', '_')}.py"
+    if not path.is_file():
+        raise config.ConfigError(f"unknown preset {preset!r}: {path} does not exist; presets: {', '.join(presets())}")
+    return path
 
 
 def load_bench_config(preset: str | None, config_path: str | None, batch: int | None, tread: bool, overrides=()):
-    """The run config: a preset (or a config file) with `overrides` (`--config.a.b=v` strings), then the batch and
-    TREAD switch applied last. Returns a validated, locked ConfigDict."""
-    if config_path:
-        path, extra, default_batch = config_path, (), None
-    else:
-        p = PRESETS[preset]
-        path, extra, default_batch = str(REPO / p.config), p.overrides, p.batch
-    items = [*extra, *overrides, f"model.route.enabled={tread}"]
-    if batch or default_batch:
-        items.append(f"train.global_batch={batch or default_batch}")
+    """The run config: a preset (configs/bench/<preset>.py) or a config file, with `overrides` (`--config.a.b=v`
+    strings), then the batch (when given) and the TREAD switch. Returns a validated, locked ConfigDict."""
+    path = config_path or str(preset_path(preset))
+    items = [*overrides, f"model.route.enabled={tread}"]
+    if batch:
+        items.append(f"train.global_batch={batch}")
     return config.load_config(path, items)
-
-
-# ---------------------------------------------------------------------------------------------------- Inputs
-def random_batch(cfg, seed: int = 0) -> dict[str, np.ndarray]:
-    """A host batch with the shapes and dtypes of the pipeline's (random content: never time zeros)."""
-    rng = np.random.default_rng(seed)
-    b, s, L = cfg.train.global_batch, cfg.data.image_size, cfg.text.max_len
-    lengths = rng.integers(1, L + 1, b)
-    batch = {
-        "image": rng.integers(0, 256, (b, s, s, 3), dtype=np.uint8),
-        "text_mask": np.arange(L)[None] < lengths[:, None],
-    }
-    if cfg.text.encoder == "builtin":
-        batch["tokens"] = rng.integers(2, tokenizer.VOCAB_SIZE, (b, L)).astype(np.int32) * batch["text_mask"]
-    else:
-        batch["text_emb"] = rng.standard_normal((b, L, cfg.text.emb_dim)).astype(np.float32)
-    return batch
-
-
-def _device_batch(local: dict, mesh, global_batch: int) -> dict:
-    keys = ("image", "tokens", "text_emb", "text_mask")
-    return sharding.global_batch_from_local({k: v for k, v in local.items() if k in keys}, mesh, global_batch)
 
 
 class _Collect(logging.Handler):
@@ -139,44 +73,14 @@ class _Collect(logging.Handler):
 
 
 # ---------------------------------------------------------------------------------------------------- Ours
-def _compile(setup, state, batch):
-    """AOT-compile the jitted step for `state` and `batch` (arrays or ShapeDtypeStructs with shardings). Returns
-    (step, compiled, (trace-and-lower seconds, total seconds), the attention fallback's warnings):
-    `step(state, batch) -> (state, metrics)` runs the compiled program with the frozen perceptual networks
-    (`setup.frozen.states`, where the setup has them) bound."""
-    frozen = getattr(setup, "frozen", None)
-    extra = (frozen.states,) if frozen is not None else ()
-    step_fn = train_state.jit_train_step(setup, jax.tree.map(lambda a: a.sharding, batch))
+def _compile(run: builder.Run) -> tuple[builder.Compiled, list[str]]:
+    """The trainer's compiled step for `run` (from abstract shapes) and the attention fallback's warnings."""
     collect = _Collect()
     layers.log.addHandler(collect)
     try:
-        t0 = time.perf_counter()
-        with jax.set_mesh(setup.mesh):
-            lowered = step_fn.lower(state, batch, *extra)
-            lower_s = time.perf_counter() - t0
-            compiled = lowered.compile()
-        seconds = (lower_s, time.perf_counter() - t0)
+        return run.compile(), collect.messages
     finally:
         layers.log.removeHandler(collect)
-
-    def step(state, batch):
-        return compiled(state, batch, *extra)
-
-    return step, compiled, seconds, collect.messages
-
-
-def _memory(compiled) -> dict:
-    """memory_analysis() in bytes, with `estimate` = arguments + outputs - aliased (donated) + temporaries."""
-    mem = compiled.memory_analysis()
-    if mem is None:
-        return {}
-    out = {
-        k: int(getattr(mem, f"{k}_size_in_bytes"))
-        for k in ("argument", "output", "alias", "temp", "generated_code")
-        if hasattr(mem, f"{k}_size_in_bytes")
-    }
-    out["estimate"] = out.get("argument", 0) + out.get("output", 0) - out.get("alias", 0) + out.get("temp", 0)
-    return out
 
 
 def _device_peak_bytes() -> int | None:
@@ -184,68 +88,77 @@ def _device_peak_bytes() -> int | None:
     return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
 
 
-def _run(step, state, batch, n: int, mesh):
-    with jax.set_mesh(mesh):
-        for _ in range(n):
-            state, m = step(state, batch)
+def _run(run, state, batch, n: int):
+    for _ in range(n):
+        state, m = run.step(state, batch)
     return state, m
 
 
-def _time_steps(step, state, batch, mesh, warmup: int, steps: int, repeats: int):
+def _time_steps(run, state, batch, warmup: int, steps: int, repeats: int):
     """Median seconds per step over `repeats` runs of `steps` back-to-back steps, after `warmup` steps. Returns
     (state, median, per-repeat times, last loss)."""
-    state, m = _run(step, state, batch, max(warmup, 1), mesh)
+    state, m = _run(run, state, batch, max(warmup, 1))
     jax.block_until_ready(state)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        state, m = _run(step, state, batch, steps, mesh)
+        state, m = _run(run, state, batch, steps)
         jax.block_until_ready(state)
         times.append((time.perf_counter() - t0) / steps)
     return state, statistics.median(times), times, float(m["loss"])
 
 
-def _data_loop(cfg, step, state, mesh, steps: int):
-    """Run `steps` steps fed by the real Grain pipeline; returns (state, seconds blocked in the input, loop seconds).
-    One step is in flight before the loop, as in the trainer, so a fetch overlaps the previous step."""
-    b = cfg.train.global_batch
-    it = pipeline.make_batch_iterator(cfg.data, cfg.text.max_len, b, jax.process_index(), jax.process_count(), 0)
-    with jax.set_mesh(mesh):
-        state, _ = step(state, _device_batch(next(it), mesh, b))
-        wait, t_start = 0.0, time.perf_counter()
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            batch = _device_batch(next(it), mesh, b)
-            wait += time.perf_counter() - t0
-            state, _ = step(state, batch)
+class _Tally:
+    """A hook that keeps the loop's input wait (the trainer's own accounting, loop.Context.data_wait_s)."""
+
+    timed = True
+
+    def __init__(self):
+        self.data_wait_s = 0.0
+
+    def due(self, ctx) -> bool:
+        return ctx.last
+
+    def __call__(self, ctx):
+        self.data_wait_s = ctx.data_wait_s
+
+
+def _data_loop(run, state, steps: int):
+    """`steps` steps of the trainer's loop fed by the real Grain pipeline; returns (state, seconds blocked in the
+    input, loop seconds). The first step and the first batch are outside the measurement, as in a long run."""
+    batches = run.batches(0)
+    state, _ = run.step(state, next(batches))
     jax.block_until_ready(state)
-    return state, wait, time.perf_counter() - t_start
+    tally = _Tally()
+    t0 = time.perf_counter()
+    result = loop.run_loop(run, state, batches, 1, steps + 1, [tally])
+    return result.state, tally.data_wait_s, time.perf_counter() - t0
 
 
-def _checkpoint_loop(step, state, batch, mesh, steps: int, step_s: float, directory: str | None, staged: bool):
-    """Run `steps` steps with an async save of the state after the middle one (`staged`: as the trainer does with
-    train.ckpt_overlap, stage it there and commit after dispatching the next step). Returns (state, dict):
-    `block_s` the loop's time beyond `steps * step_s`, `save_call_s` the time inside save() (or stage() + commit()),
-    `finish_s` the wait for the background write after the loop."""
+class _SaveAt(hooks.CheckpointHook):
+    """The trainer's checkpoint hook, firing at one step only."""
+
+    def __init__(self, cfg, ckpt, step: int):
+        super().__init__(cfg, ckpt)
+        self.at = step
+
+    def due(self, ctx) -> bool:
+        return ctx.step == self.at
+
+
+def _checkpoint_loop(run, state, batch, steps: int, step_s: float, directory: str | None, staged: bool):
+    """`steps` steps of the trainer's loop with its checkpoint hook saving after the middle one (`staged`: as
+    with train.ckpt_overlap, the device-to-host copy behind the next step). Returns (state, dict): `block_s` the
+    loop's time beyond `steps * step_s`, `finish_s` the wait for the background write after the loop."""
+    cfg = copy.deepcopy(run.cfg)
+    config.apply_override(cfg, f"train.ckpt_overlap={staged}")
     root = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="reve_bench_ckpt_"))
     ckpt = checkpoint.Checkpointer(root / "run", keep=1, async_save=True)
     try:
         jax.block_until_ready(state)
-        t_start = time.perf_counter()
-        save_call = 0.0
-        with jax.set_mesh(mesh):
-            for i in range(steps):
-                state, _ = step(state, batch)
-                if staged and i == steps // 2 + 1:
-                    t0 = time.perf_counter()
-                    ckpt.commit()
-                    save_call += time.perf_counter() - t0
-                if i == steps // 2:
-                    t0 = time.perf_counter()
-                    (ckpt.stage if staged else ckpt.save)(1, state, {"bench": True})
-                    save_call += time.perf_counter() - t0
-        jax.block_until_ready(state)
-        loop = time.perf_counter() - t_start
+        t0 = time.perf_counter()
+        result = loop.run_loop(run, state, itertools.repeat(batch), 0, steps, [_SaveAt(cfg, ckpt, steps // 2)])
+        loop_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         ckpt.wait()
         finish = time.perf_counter() - t0
@@ -254,26 +167,20 @@ def _checkpoint_loop(step, state, batch, mesh, steps: int, step_s: float, direct
         shutil.rmtree(root / "run", ignore_errors=True)
         if not directory:
             shutil.rmtree(root, ignore_errors=True)
-    return state, {"block_s": max(0.0, loop - steps * step_s), "save_call_s": save_call, "finish_s": finish}
+    return result.state, {"block_s": max(0.0, loop_s - steps * step_s), "finish_s": finish}
 
 
 def bench_jax(cfg, opts, *, fresh_process: bool) -> dict:
-    """Compile the train step of `cfg` from abstract shapes, then build the state and time it; returns one result
-    row (see `format_table`).
+    """Build the trainer's run of `cfg` (builder.build), compile its step from abstract shapes, then create the
+    state and time it; returns one result row (see `format_table`).
 
     `opts` carries warmup/steps/repeats/data_steps/ckpt/ckpt_dir/compile_only. `fresh_process` says no earlier
     row ran in this process, so the device's peak-memory counter belongs to this row alone."""
-    mesh = sharding.make_mesh(cfg.mesh)
-    setup = train_state.make_setup(cfg, mesh)
-    b, m = cfg.train.global_batch, cfg.model
-    host = random_batch(cfg)
-    abstract_batch = {
-        k: jax.ShapeDtypeStruct((b,) + v.shape[1:], v.dtype, sharding=sharding.batch_sharding(mesh, v.ndim))
-        for k, v in host.items()
-    }
+    run = builder.build(cfg)
+    m = cfg.model
     attention = layers.attention_impl(m.attention, m.dtype, m.width // m.heads)
     try:
-        step, compiled, (lower_s, compile_s), fallback = _compile(setup, setup.abstract_state, abstract_batch)
+        compiled, fallback = _compile(run)
     except Exception as e:  # cuDNN can also refuse at compile time; 'auto' then means XLA
         if attention != "cudnn" or m.attention != "auto":
             raise
@@ -281,18 +188,21 @@ def bench_jax(cfg, opts, *, fresh_process: bool) -> dict:
         cfg = copy.deepcopy(cfg)
         config.apply_override(cfg, "model.attention='xla'")
         return dict(bench_jax(cfg, opts, fresh_process=fresh_process), attention="xla (cudnn compile failed)")
-    mem = _memory(compiled)
+    mem = compiled.memory()
     log.info(
-        "compiled in %.1fs; memory_analysis GiB: %s", compile_s, ", ".join(f"{k} {v / GIB:.2f}" for k, v in mem.items())
+        "compiled in %.1fs; memory_analysis GiB: %s",
+        compiled.seconds,
+        ", ".join(f"{k} {v / GIB:.2f}" for k, v in mem.items()),
     )
+    b = cfg.train.global_batch
     row = {
         "model": opts.name,
         "impl": "reve_jax" + (f" {opts.label}" if opts.label else ""),
         "batch": b,
         "tread": m.route.enabled,
         "flops_per_image": flops.train_flops_per_image(cfg),
-        "compile_s": compile_s,  # trace, lower and compile
-        "lower_s": lower_s,  # the Python trace and lowering part of compile_s
+        "compile_s": compiled.seconds,  # trace, lower and compile
+        "lower_s": compiled.lower_seconds,  # the Python trace and lowering part of compile_s
         "memory": mem,
         "attention": "xla (cudnn refused)" if fallback else attention,
         "dtype": m.dtype,
@@ -302,19 +212,19 @@ def bench_jax(cfg, opts, *, fresh_process: bool) -> dict:
         row["peak_bytes"], row["peak_mem_source"] = mem["estimate"], "xla"
     if opts.compile_only:
         return row
-    state = train_state.init_state(setup)
-    batch = _device_batch(host, mesh, b)
-    state, step_s, times, loss = _time_steps(step, state, batch, mesh, opts.warmup, opts.steps, opts.repeats)
+    state = run.init_state()
+    batch = run.to_device(batch_lib.random(cfg))
+    state, step_s, times, loss = _time_steps(run, state, batch, opts.warmup, opts.steps, opts.repeats)
     row.update(step_s=step_s, step_times=times, images_per_s=b / step_s, loss=loss)
     peak = _device_peak_bytes()
     if peak is not None and fresh_process:
         row["peak_bytes"], row["peak_mem_source"] = peak, "device"
     if opts.data_steps > 0:
-        state, wait, total = _data_loop(cfg, step, state, mesh, opts.data_steps)
+        state, wait, total = _data_loop(run, state, opts.data_steps)
         row.update(data_wait_s=wait, data_loop_s=total, data_wait_frac=wait / total)
     if opts.ckpt:
         n = max(opts.steps, 3)
-        state, ck = _checkpoint_loop(step, state, batch, mesh, n, step_s, opts.ckpt_dir, staged=opts.ckpt == "staged")
+        state, ck = _checkpoint_loop(run, state, batch, n, step_s, opts.ckpt_dir, staged=opts.ckpt == "staged")
         row.update({f"ckpt_{k}": v for k, v in ck.items()}, ckpt_mode=opts.ckpt)
     del state
     return row
@@ -388,7 +298,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
     )
-    p.add_argument("--preset", default="dit-b2", choices=sorted(PRESETS), help="model size (ignored with --config)")
+    p.add_argument("--preset", default="dit-b2", choices=presets(), help="configs/bench/<preset>.py (or --config)")
     p.add_argument("--config", default=None, help="a config file instead of a preset")
     p.add_argument("--batch", type=int, default=None, help="global batch (default: the preset's)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per repeat")

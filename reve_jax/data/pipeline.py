@@ -29,6 +29,7 @@ from typing import Any
 import grain
 import numpy as np
 
+from reve_jax.config import CHOICES
 from reve_jax.data import shards, synthetic, tokenizer
 
 Dataset = synthetic.SyntheticShapes | shards.ShardSource
@@ -246,18 +247,21 @@ def _open_dataset(data_cfg: Any, what: Any) -> Dataset:
     return shards.ShardSource(what)
 
 
+def _check_name(data_cfg: Any) -> None:
+    if data_cfg.name not in CHOICES["data.name"]:
+        raise ValueError(f"unknown data.name={data_cfg.name!r}; expected one of {CHOICES['data.name']}")
+
+
 def dataset_from_config(data_cfg: Any) -> Dataset:
     """The random-access source named by `data.name` (the first stage's when data.stages is set): `ds[i]` ->
     dict(image uint8 [H,W,3], caption, ...); `ds.num_samples`, `ds.caption(i)`."""
-    if data_cfg.name not in ("synthetic", "shards"):
-        raise ValueError(f"unknown data.name={data_cfg.name!r}; expected 'synthetic' or 'shards'")
+    _check_name(data_cfg)
     return _open_dataset(data_cfg, _stage_entries(data_cfg)[0][1])
 
 
 def make_stages(data_cfg: Any, global_batch: int) -> tuple[Stage, ...]:
     """Every stage of `data_cfg` with its dataset and sample order for global batch size `global_batch`."""
-    if data_cfg.name not in ("synthetic", "shards"):
-        raise ValueError(f"unknown data.name={data_cfg.name!r}; expected 'synthetic' or 'shards'")
+    _check_name(data_cfg)
     out = []
     for start, what in _stage_entries(data_cfg):
         ds = _open_dataset(data_cfg, what)

@@ -12,7 +12,6 @@ every worker unchanged.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 
 from reve_jax.elastic import backends
@@ -31,10 +30,17 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--script", default="scripts/train.py", help="worker entry point")
     p.add_argument("--worker-arg", action="append", default=[], help="extra worker argument (repeatable)")
     p.add_argument("--python", default="", help="python on the hosts (default: this one locally, python3)")
-    p.add_argument("--devices-per-host", type=int, default=2, help="local: emulated CPU devices per process")
+    p.add_argument(
+        "--devices-per-host",
+        type=int,
+        default=None,
+        help="emulated CPU devices per host: local processes (default 2); with SSH/SLURM, hosts run JAX on CPU "
+        "with this many devices (the namespace test bed)",
+    )
     p.add_argument("--gpus-per-host", type=int, default=0, help="local: GPUs per process (CUDA_VISIBLE_DEVICES)")
     p.add_argument("--marker-dir", default="", help="local: probe of host h fails while <dir>/h exists")
     p.add_argument("--remote-dir", default=os.getcwd(), help="ssh: checkout directory on the hosts")
+    p.add_argument("--ssh-arg", action="append", default=[], help="ssh: extra ssh argument (repeatable), e.g. -F")
     p.add_argument("--advertise", default="", help="address workers use to reach this supervisor")
     p.add_argument("--srun-arg", action="append", default=[], help="slurm: extra srun argument (repeatable)")
     p.add_argument("--compile-cache", default="", help="persistent XLA cache (default <workdir>/../jax_cache)")
@@ -58,6 +64,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         help="mean hours between failures of one host: a repaired host then stops the group only when that pays "
         "(docs/elastic.md); 0 = re-admit at once",
     )
+    p.add_argument(
+        "--no-precompile",
+        action="store_true",
+        help="do not compile the train step ahead for the next group sizes (done on this machine for CPU hosts)",
+    )
     p.add_argument("--quiet", action="store_true")
     args, rest = p.parse_known_args(argv)
     unknown = [a for a in rest if not a.startswith("--config.")]
@@ -67,27 +78,16 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
 
 
 def config_hints(config_path: str, overrides: list[str]) -> dict:
-    """Returns train.steps, train.ckpt_every, train.global_batch and train.grad_accum from the config file and
-    the overrides (missing keys, or a config file that cannot be read here, leave them out)."""
-    hints = {}
+    """Returns train.steps, train.ckpt_every, train.global_batch and train.grad_accum of the config, loaded with the
+    overrides exactly as scripts/train.py loads it: a config that would fail in the workers (an unknown key, a
+    wrong type) fails here, before any worker starts, with SystemExit and the reason."""
+    from reve_jax import config as config_lib
+
     try:
-        spec = importlib.util.spec_from_file_location("_launch_config", config_path)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        train = module.get_config().train
-        hints = {k: int(train[k]) for k in ("steps", "ckpt_every", "global_batch", "grad_accum") if k in train}
-    except Exception as e:  # the hints are optional: the run works without them
-        print(f"launch: no hints from {config_path} ({type(e).__name__}: {e})")
-    for o in overrides:
-        key, _, value = o[len("--config.") :].partition("=")
-        if key.startswith("train.") and key[len("train.") :] in (
-            "steps",
-            "ckpt_every",
-            "global_batch",
-            "grad_accum",
-        ):
-            hints[key[len("train.") :]] = int(value)
-    return hints
+        train = config_lib.load_config(config_path, overrides).train
+    except config_lib.ConfigError as e:
+        raise SystemExit(f"config error: {e}") from None
+    return {k: int(train[k]) for k in ("steps", "ckpt_every", "global_batch", "grad_accum")}
 
 
 def group_sizes(spec: str, num_hosts: int, devices_per_host: int, hints: dict) -> tuple[int, ...]:
@@ -102,28 +102,43 @@ def group_sizes(spec: str, num_hosts: int, devices_per_host: int, hints: dict) -
     return tuple(n for n in range(1, num_hosts + 1) if batch % (n * devices_per_host) == 0)
 
 
+def precompile_argv(args, overrides: list[str]) -> list[str]:
+    """The compile-ahead job's command line, for the trainer only (another worker script has its own step)."""
+    if os.path.abspath(args.script) != os.path.abspath(os.path.join(backends.REPO_ROOT, "scripts", "train.py")):
+        return []
+    return ["python", "-m", "reve_jax.elastic.precompile", "--config", args.config, *overrides]
+
+
 def main(argv: list[str] | None = None) -> int:
     """Runs the launcher; returns the supervisor's exit code (0 finished, 2 stopped, 1 failed)."""
     args, overrides = parse_args(argv)
     workdir = os.path.abspath(args.workdir)
     os.makedirs(workdir, exist_ok=True)
+    local = not args.slurm and args.hosts.isdigit()
+    cpu_env = {}  # remote hosts that run JAX on emulated CPU devices
+    if args.slurm or not args.hosts.isdigit():
+        devices = args.gpus_per_host or args.devices_per_host or 0
+        if args.devices_per_host:
+            cpu_env = {
+                "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices_per_host}",
+                "JAX_PLATFORMS": "cpu",
+            }
     if args.slurm:
         backend = backends.SlurmBackend(srun_args=tuple(args.srun_arg), advertise=args.advertise)
-        devices = args.gpus_per_host
     elif args.hosts.isdigit():
         backend = backends.LocalBackend(
             int(args.hosts),
-            args.devices_per_host,
+            args.devices_per_host or 2,
             args.gpus_per_host,
             args.python,
             marker_dir=args.marker_dir,
         )
-        devices = args.gpus_per_host or args.devices_per_host
+        devices = args.gpus_per_host or args.devices_per_host or 2
     else:
+        ssh = ("ssh", *args.ssh_arg)
         backend = backends.SSHBackend(
-            args.hosts.split(","), args.remote_dir, args.python or "python3", advertise=args.advertise
+            args.hosts.split(","), args.remote_dir, args.python or "python3", advertise=args.advertise, ssh=ssh
         )
-        devices = args.gpus_per_host
     hints = config_hints(args.config, overrides)
     config = PolicyConfig(
         min_hosts=args.min_hosts,
@@ -138,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         host_mtbf_s=args.host_mtbf_h * 3600.0,
         ckpt_every=hints.get("ckpt_every", 0),
         total_steps=hints.get("steps", 0),
+        fenced=True,  # the supervisor fences every group it gives up on (fence.py)
     )
     cache = os.path.abspath(args.compile_cache or os.path.join(workdir, "..", "jax_cache"))
     worker = WorkerSettings(
@@ -152,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             *args.worker_arg,
         ],
         env={
+            **cpu_env,
             # A JAX with mTLS for its coordination service reads these on every host (docs/elastic.md).
             **{k: v for k, v in os.environ.items() if k.startswith("JAX_MTLS_")},
             "JAX_COMPILATION_CACHE_DIR": cache,
@@ -159,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
         },
         init_timeout=min(args.startup_timeout, 120.0),
+        precompile_argv=[] if args.no_precompile else precompile_argv(args, overrides),
+        devices_per_host=0 if args.gpus_per_host else (args.devices_per_host or (2 if local else 0)),
         # Workers of a supervisor that died (SIGKILL, lost node) stop by themselves instead of running on.
         orphan_timeout=max(60.0, 4 * args.heartbeat_timeout),
     )

@@ -1,19 +1,20 @@
 """The speedup benchmark: the recipe and each single technique against a DiT baseline, in steps, samples, FLOPs
-and wall clock to first reach the baseline's final quality (RECIPE.md section 7).
+and wall clock to first reach the baseline's final quality (docs/speedup.md).
 
-Protocol. The baseline (configs/recipe/baseline.py) trains to its budget with a cosine learning rate decayed to 0,
-once per learning rate of a small sweep; the LR with the best final alignment wins, and the baseline's final
-alignment (mean over seeds) is the target. Then the full recipe and every ablation (baseline + one technique)
-train with the same budget, schedule and LR. Every run evaluates its EMA weights every `eval_every` steps
-(`Evaluator`: fixed captions, noise, sampler, steps and guidance) and records, at each evaluation, the step, the
-samples and executed FLOPs so far (`flops.train_flops_per_image` x samples), and the training wall clock and
-process CPU time so far: the clock stops (after `block_until_ready`) while evaluating, and compilation is timed
-apart. Steps to target = the first evaluated step whose metric reaches the target and holds it at the next
-evaluation (`SUSTAIN`; no interpolation: an upper bound, `eval_every` steps coarse); "not reached" when none does.
+Protocol. A size is a config file (configs/speedup/<size>.py) holding its PROTOCOL and `get_config(method)`. The
+baseline trains to its budget with a cosine learning rate decayed to 0, once per learning rate of a small sweep;
+the LR with the best final alignment wins, and the baseline's final alignment (mean over seeds) is the target.
+Then the full recipe and every ablation (baseline + one technique) train with the same budget, schedule and LR.
+Every run evaluates its EMA weights every `eval_every` steps (`quality.Evaluator`: fixed captions, noise, sampler,
+steps and guidance) and records, at each evaluation, the step, the samples and executed FLOPs so far, and the
+training wall clock and process CPU time so far: the train clock stops (after `block_until_ready`) while
+evaluating, sampling and writing checkpoints, and compilation is timed apart. Steps to target = the first evaluated
+step whose metric reaches the target and holds it at the next evaluation (`SUSTAIN`; no interpolation: an upper
+bound, `eval_every` steps coarse); "not reached" when none does.
 
-Runs use the train step of the trainer (`train_state.jit_train_step`) and its input pipeline in a loop of their own,
-so evaluation can read the live EMA weights without checkpoint writes in the timed path. Finished runs are stored
-as JSON under `<out>/runs/` and reused when the benchmark is started again with the same settings.
+Every run is a trainer run (`trainer.run`) with an evaluation hook (eval/hook.py) in its own workdir under
+`<out>/runs/<key>/`: it checkpoints at each evaluation, so a killed benchmark resumes where it stopped. Finished
+runs are stored as JSON under `<out>/runs/` and reused when the benchmark is started again with the same settings.
 """
 
 from __future__ import annotations
@@ -21,12 +22,9 @@ from __future__ import annotations
 import dataclasses
 import gc
 import hashlib
-import importlib
 import json
-import math
 import os
 import platform
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,29 +33,28 @@ import jax
 import numpy as np
 
 from reve_jax import config as config_lib
-from reve_jax import flops, sharding, train_state, viz
+from reve_jax import flops
 from reve_jax.data import pipeline
-from reve_jax.eval import alignment, features, quality
+from reve_jax.eval import alignment, features, hook
 from reve_jax.eval.report import write_outputs
 
 PRIMARY = "align_overall"
 # Metric -> True when higher is better.
 DIRECTION = {"align_overall": True, "align_exact": True, "fd_shapes": False, "fd_dinov2": False, "vloss": False}
-RECIPE = ("jit", "bottleneck", "tread", "muon")
 # A crossing must hold for this many consecutive evaluations: early, half-formed samples can pass a few checks
 # by luck, and a single evaluation of ~100 images is noisy.
 SUSTAIN = 2
 
 
 @dataclasses.dataclass(frozen=True)
-class BenchSize:
-    """One benchmark size. base: configs/<base>.py; overrides: applied to it before the techniques (model and
-    data size); train: applied after them (budget, batch, schedule, sampler). lrs: the baseline's LR sweep."""
+class Protocol:
+    """A benchmark size's protocol; the run configs come from the same config file (`get_config(method)`).
+
+    name: the size's name; config: the config file (configs/speedup/<name>.py); steps: training steps of every
+    run; eval_every: evaluation cadence; n_eval: held-out captions per evaluation; lrs: the baseline's LR sweep;
+    seeds: training seeds; methods: what runs against the baseline; eval_seed: the evaluation noise seed."""
 
     name: str
-    base: str
-    overrides: tuple[str, ...]
-    train: tuple[str, ...]
     steps: int
     eval_every: int
     n_eval: int
@@ -65,101 +62,15 @@ class BenchSize:
     seeds: tuple[int, ...]
     methods: tuple[str, ...] = ("recipe", "jit", "bottleneck", "tread", "muon")
     eval_seed: int = 4321
+    config: str = ""
 
 
-_COMMON_TRAIN = (
-    "optim.schedule='cosine'",
-    "optim.min_lr_ratio=0.0",
-    "train.sample_every=0",
-    "train.stop_on_nan=True",
-    "data.worker_threads=1",
-    "sample.sampler='euler'",
-    "sample.cfg_scale=3.0",
-)
-
-
-def _cpu_size(name: str, image_size: int, patch: int, batch: int, steps: int, lrs: tuple[float, ...]) -> BenchSize:
-    """A 3-block, width-128 DiT on one-object scenes (16 caption tokens), evaluated 10 times on 96 captions."""
-    return BenchSize(
-        name=name,
-        base="tiny",
-        overrides=(
-            "model.width=128",
-            "model.depth=3",
-            "model.heads=4",
-            f"model.patch={patch}",
-            "text.width=64",
-            "text.depth=1",
-            "text.heads=2",
-            "text.max_len=16",
-            f"data.image_size={image_size}",
-            "data.max_objects=1",
-        ),
-        train=(
-            *_COMMON_TRAIN,
-            f"train.global_batch={batch}",
-            "optim.warmup_steps=50",
-            "ema.decays=(0.99,)",
-            "sample.steps=12",
-        ),
-        steps=steps,
-        eval_every=steps // 10,
-        n_eval=96,
-        lrs=lrs,
-        seeds=(0, 1),
-    )
-
-
-SIZES = {
-    # About 25 minutes on 2 CPU cores, in JiT's regime: 32 px scenes in 8 px patches, so each of the 16 image tokens
-    # carries 192 values for a width-128 model (patch dimension > width, as ViT/16 at 256 px: 768 values, width 768
-    # for B); batch 32, 1,000 steps.
-    "cpu": _cpu_size("cpu", image_size=32, patch=8, batch=32, steps=1000, lrs=(1e-3, 2e-3, 4e-3)),
-    # The same model on 16 px images in 4 px patches (48 values per token, far below the width): outside JiT's
-    # regime. Kept for comparison; its results are in docs/speedup.md.
-    "cpu-p4": _cpu_size("cpu-p4", image_size=16, patch=4, batch=16, steps=1500, lrs=(2e-3, 4e-3, 8e-3)),
-    # Sized by arithmetic for ~8 minutes on one H200 (not yet run on one): JiT's regime at 128 px, 16 px patches
-    # (768 values per token, twice the width), 64 image tokens, scenes of up to 3 objects, an 8-block width-384 DiT.
-    "gpu": BenchSize(
-        name="gpu",
-        base="tiny",
-        overrides=(
-            "model.width=384",
-            "model.depth=8",
-            "model.heads=6",
-            "model.patch=16",
-            "model.bottleneck=128",
-            "model.dtype='bfloat16'",
-            "text.width=128",
-            "text.depth=2",
-            "text.heads=4",
-            "text.max_len=32",
-            "data.image_size=128",
-            "data.max_objects=3",
-        ),
-        train=(
-            *_COMMON_TRAIN,
-            "train.global_batch=128",
-            "optim.warmup_steps=100",
-            "ema.decays=(0.998,)",
-            "sample.steps=20",
-            "data.worker_threads=8",
-        ),
-        steps=2000,
-        eval_every=200,
-        n_eval=512,
-        lrs=(5e-4, 1e-3, 2e-3),
-        seeds=(0, 1),
-    ),
-}
-
-
-def enable_compile_cache(path: str | Path) -> None:
-    """Persistent XLA compilation cache in `path`: runs that differ only in seed compile the same programs, so
-    later ones load them instead of compiling (compilation is outside the timed training either way)."""
-    Path(path).mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(path))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+def load_protocol(path: str | Path) -> Protocol:
+    """The PROTOCOL of a speedup config file (configs/speedup/<size>.py), with its path recorded."""
+    module = config_lib.load_module(str(path))
+    if not isinstance(getattr(module, "PROTOCOL", None), Protocol):
+        raise config_lib.ConfigError(f"{path} defines no PROTOCOL = speedup.Protocol(...): not a speedup size file")
+    return dataclasses.replace(module.PROTOCOL, config=str(path))
 
 
 def machine() -> dict:
@@ -173,121 +84,39 @@ def machine() -> dict:
     }
 
 
-def _recipe_common():
-    """configs/recipe/common.py (the techniques as config functions), importable from the repository root."""
-    root = str(Path(__file__).resolve().parents[2])
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    return importlib.import_module("configs.recipe.common")
+def build_config(size: Protocol, method: str, lr: float, seed: int, extra: tuple[str, ...] = ()):
+    """The config of one run: the size file's config for `method` (its model, data and schedule), then the
+    protocol's budget and checkpoint cadence (a checkpoint at every evaluation), the LR, the seed and `extra`."""
+    items = [f"train.steps={size.steps}", f"train.ckpt_every={size.eval_every}", f"optim.lr={lr!r}", f"seed={seed}"]
+    return config_lib.load_config(f"{size.config}:{method}", [*items, *extra])
 
 
-def techniques_of(method: str) -> tuple[str, ...]:
-    """'baseline' -> (), 'recipe' -> RECIPE, 'recipe+ddt' -> RECIPE + ('ddt',), a technique name -> (name,)."""
-    if method == "baseline":
-        return ()
-    if method.startswith("recipe"):
-        return RECIPE + tuple(t for t in method.split("+")[1:] if t)
-    return tuple(method.split("+"))
-
-
-def build_config(size: BenchSize, method: str, lr: float, seed: int, extra: tuple[str, ...] = ()):
-    """The config of one run: the size's base config shrunk by its overrides, made the baseline, the method's
-    techniques switched on, then the size's training settings, the LR, the seed and `extra` overrides."""
-    common = _recipe_common()
-    c = common.sized(size.base)
-    for item in size.overrides:
-        config_lib.apply_override(c, item)
-    rank = c.model.bottleneck or 32
-    c = common.baseline(c)
-    for t in techniques_of(method):
-        c = common.apply(c, t, rank)
-    for item in (*size.train, f"train.steps={size.steps}", f"optim.lr={lr!r}", f"seed={seed}", *extra):
-        config_lib.apply_override(c, item)
-    config_lib.validate(c)
-    return c
-
-
-def _finite(metrics: dict) -> bool:
-    return all(math.isfinite(float(v)) for v in metrics.values())
-
-
-def train_run(
-    cfg,
-    eval_every: int,
-    evaluator_kwargs: dict,
-    n_eval: int,
-    eval_seed: int,
-    on_eval=None,
-    grid_path=None,
-    images_path=None,
-) -> dict:
-    """Trains `cfg` for `cfg.train.steps`, evaluating the EMA weights every `eval_every` steps and at the end.
+def train_run(cfg, workdir: str | Path, eval_every: int, n_eval: int, eval_seed: int, evaluator_kwargs=None,
+              on_eval=None) -> dict:  # fmt: skip
+    """Trains `cfg` in `workdir` with the trainer (resuming what a killed benchmark left there), evaluating the EMA
+    weights every `eval_every` steps and at the end (eval/hook.py).
 
     Returns a JSON-able record: {"curve": [{"step", "samples", "flops", "wall_s", "cpu_s", <metrics>}, ...],
-    "compile_s", "step_flops", "diverged" (step or None), "config"}. wall_s and cpu_s are training time only
-    (cumulative), measured with the step's outputs ready. `on_eval(point)` is called after each evaluation;
-    `grid_path`: a PNG of the final evaluation's first 16 images with their captions; `images_path`: an .npz of
-    every evaluation's images (uint8, keys step_<n>, and the held-out `index`).
-    """
-    mesh = sharding.make_mesh(cfg.mesh)
-    setup = train_state.make_setup(cfg, mesh)
-    state = train_state.init_state(setup)
-    batch_size = cfg.train.global_batch
-    it = pipeline.make_batch_iterator(cfg.data, cfg.text.max_len, batch_size, 0, 1, 0)
-    keys = ("image", "tokens", "text_emb", "text_mask")
-    to_device = lambda local: sharding.global_batch_from_local(  # noqa: E731
-        {k: v for k, v in local.items() if k in keys}, mesh, batch_size
-    )
-    batch = to_device(next(it))
-    t0 = time.perf_counter()
-    step_fn = train_state.jit_train_step(setup, jax.tree.map(lambda a: a.sharding, batch))
-    with jax.set_mesh(mesh):
-        compiled = step_fn.lower(state, batch, setup.frozen.states).compile()
-    evaluator = quality.Evaluator(cfg, setup.graphdef, n_eval, eval_seed, mesh=mesh, **evaluator_kwargs)
-    compile_s = time.perf_counter() - t0
-    img_flops = flops.train_flops_per_image(cfg)
-    record = {"curve": [], "compile_s": compile_s, "step_flops": img_flops * batch_size, "diverged": None}
-    record["machine_start"] = machine()
-    wall = cpu = 0.0
-    kept = {}  # every evaluation's images, uint8, so the metrics can be recomputed later without retraining
-    w0, c0 = time.perf_counter(), time.process_time()
-    for step in range(1, cfg.train.steps + 1):
-        with jax.set_mesh(mesh):
-            state, m = compiled(state, batch, setup.frozen.states)
-        if step < cfg.train.steps:
-            batch = to_device(next(it))
-        if step % eval_every and step != cfg.train.steps:
-            continue
-        jax.block_until_ready(state)
-        wall += time.perf_counter() - w0
-        cpu += time.process_time() - c0
-        train_metrics = {k: float(v) for k, v in jax.device_get(m).items()}
-        if not _finite(train_metrics):
-            record["diverged"] = step
-            break
-        point = {
-            "step": step,
-            "samples": step * batch_size,
-            "flops": step * batch_size * img_flops,
-            "wall_s": wall,
-            "cpu_s": cpu,
-            "train_loss": train_metrics["loss"],
-        }
-        ema = state["ema"]["ema0"]
-        images = evaluator.generate(ema)
-        point.update(evaluator(ema, images=images))
-        kept[f"step_{step}"] = np.rint((images + 1.0) * 127.5).clip(0, 255).astype(np.uint8)
-        if grid_path is not None and step == cfg.train.steps:
-            captions = pipeline.captions_of(pipeline.dataset_from_config(cfg.data), evaluator.heldout["index"][:16])
-            viz.save_sample_grid(grid_path, images[:16], captions)
-        record["curve"].append(point)
-        if on_eval is not None:
-            on_eval(point)
-        w0, c0 = time.perf_counter(), time.process_time()
-    record["machine_end"] = machine()
-    if images_path is not None:
-        np.savez_compressed(images_path, index=evaluator.heldout["index"], **kept)
-    return record
+    "compile_s", "step_flops", "diverged" (step or None)}. wall_s and cpu_s are training time only (cumulative),
+    measured with the step's outputs ready."""
+    from reve_jax import trainer
+
+    ev = hook.EvalHook(workdir, eval_every, n_eval, eval_seed, evaluator_kwargs, on_eval)
+    diverged = None
+    try:
+        summary = trainer.run(cfg, workdir, extra_hooks=[ev])
+        compile_s = summary["compile_s"]
+    except trainer.NonFiniteError as e:
+        diverged, compile_s = e.step, None
+    curve = [p for p in hook.read_points(Path(workdir) / "eval.jsonl") if not p.get("diverged")]
+    if diverged is None:
+        diverged = next((p["step"] for p in hook.read_points(Path(workdir) / "eval.jsonl") if p.get("diverged")), None)
+    return {
+        "curve": curve,
+        "compile_s": compile_s,
+        "step_flops": flops.train_flops_per_image(cfg) * cfg.train.global_batch,
+        "diverged": diverged,
+    }
 
 
 # ------------------------------------------------------------------------------------------ analysis
@@ -379,13 +208,13 @@ def _step_seconds(run: dict) -> list[float]:
 # ------------------------------------------------------------------------------------------ orchestration
 
 
-def _run_key(size: BenchSize, method: str, lr: float, seed: int, extra) -> str:
+def _run_key(size: Protocol, method: str, lr: float, seed: int, extra) -> str:
     tag = hashlib.sha256("\n".join(extra).encode()).hexdigest()[:8] if extra else ""
     return f"{size.name}-{method}-lr{lr:g}-s{seed}" + (f"-{tag}" if tag else "")
 
 
 def run_benchmark(
-    size: BenchSize,
+    size: Protocol,
     out_dir: str | Path,
     *,
     extra: tuple[str, ...] = (),
@@ -400,6 +229,8 @@ def run_benchmark(
     cache_dir = Path(cache_dir) if cache_dir else out / "cache"
     ev_kwargs = {"cache_dir": cache_dir, "dinov2_path": dinov2_path}
     t_start = time.perf_counter()
+    if not size.config:
+        raise ValueError("the protocol has no config file: load it with speedup.load_protocol(path)")
     _, info = features.get_feature_net(features.DEFAULT_SPEC, cache_dir)
     log(f"feature net ready: held-out head accuracy {info['test_accuracy']}")
     runs: dict[str, dict] = {}
@@ -414,24 +245,32 @@ def run_benchmark(
                 log(f"[{key}] reused from {path}")
                 runs[key] = rec
                 return rec
+        workdir = out / "runs" / key
+        if workdir.exists() and (workdir / "config.json").exists():
+            if (workdir / "config.json").read_text() != config_lib.to_json(cfg):
+                raise RuntimeError(f"{workdir} holds a run of another config: move it away or use another --out")
+            log(f"[{key}] resuming the run in {workdir}")
         log(f"[{key}] training {size.steps} steps ({flops.train_flops_per_image(cfg) / 1e6:.1f} MFLOP per image)")
 
         def on_eval(p):
+            if p.get("diverged"):
+                log(f"[{key}] step {p['step']:5d}  diverged (loss {p['train_loss']})")
+                return
             log(
                 f"[{key}] step {p['step']:5d}  train {p['wall_s']:7.1f}s  align {p['align_overall']:.3f}  "
                 f"exact {p['align_exact']:.3f}  fd {p.get('fd_shapes', float('nan')):.3f}  vloss {p['vloss']:.4f}"
                 f"  (eval {p['eval_s']:.1f}s)"
             )
 
-        grid = out / "runs" / f"{key}.png"
-        rec = train_run(
-            cfg, size.eval_every, ev_kwargs, size.n_eval, size.eval_seed, on_eval, grid, out / "runs" / f"{key}.npz"
-        )
+        record = {"machine_start": machine()}
+        record.update(train_run(cfg, workdir, size.eval_every, size.n_eval, size.eval_seed, ev_kwargs, on_eval))
+        record["machine_end"] = machine()
+        _pack_images(workdir, out / "runs" / f"{key}.npz", size, cfg)
         gc.collect()  # the input pipeline's reader threads of the finished run must not compete with the next
-        rec.update(method=method, lr=lr, seed=seed, chosen=method != "baseline", config=config_lib.to_json(cfg))
-        path.write_text(json.dumps(rec))
-        runs[key] = rec
-        return rec
+        record.update(method=method, lr=lr, seed=seed, chosen=method != "baseline", config=config_lib.to_json(cfg))
+        path.write_text(json.dumps(record))
+        runs[key] = record
+        return record
 
     def publish(note: str, best_lr: float) -> dict:
         results = {
@@ -465,6 +304,15 @@ def run_benchmark(
             rec["chosen"] = True
             publish(f"after {method} seed {seed}", best_lr)
     return publish("complete", best_lr)
+
+
+def _pack_images(workdir: Path, dest: Path, size: Protocol, cfg) -> None:
+    """Every evaluation's images of a run in one .npz (keys step_<n>, and the held-out `index`) for `rescore`."""
+    from reve_jax.eval import vloss
+
+    images = hook.load_images(workdir)
+    index = vloss.heldout_indices(cfg.data.num_samples, size.n_eval)
+    np.savez_compressed(dest, index=index, **{f"step_{k}": v for k, v in images.items()})
 
 
 def rescore(out_dir: str | Path, log: Callable[[str], None] = print) -> dict:

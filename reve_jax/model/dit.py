@@ -81,19 +81,6 @@ class DiTBlock(nnx.Module):
         return x + gate2 * self.mlp(h)
 
 
-class RepaProjector(nnx.Module):
-    """REPA's projector: an MLP from the DiT's width to the frozen feature network's width."""
-
-    def __init__(self, width: int, hidden: int, out: int, *, rngs, dtype, param_dtype):
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.fc1 = dense(width, hidden, ("embed", "mlp"), **kw)
-        self.fc2 = dense(hidden, hidden, ("mlp", None), **kw)
-        self.fc3 = dense(hidden, out, (None, "repa"), **kw)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.fc3(jax.nn.silu(self.fc2(jax.nn.silu(self.fc1(x))))).astype(jnp.float32)
-
-
 class FinalLayer(nnx.Module):
     def __init__(self, width: int, out_dim: int, *, eps, rngs, dtype, param_dtype):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
@@ -162,12 +149,6 @@ class DiT(nnx.Module):
             self.blocks = nnx.List([DiTBlock(width, heads, hidden, rngs=rngs, **block_kw) for _ in range(depth)])
         self.depth = depth
         self.final = FinalLayer(width, self.out_patch * self.out_patch * 3, eps=m.norm_eps, **kw)
-        lo = cfg.loss
-        self.repa_proj = (
-            RepaProjector(width, lo.repa_hidden, lo.repa_dim, **kw)
-            if lo.repa_weight > 0 and self.repa_block >= 0
-            else None
-        )
 
     def __call__(
         self,
@@ -179,8 +160,8 @@ class DiT(nnx.Module):
         route_key: jax.Array | None = None,
     ) -> tuple[jax.Array, dict]:
         """Returns (output [B,H,W,3] float32, aux). `route_key` turns TREAD on (training, or routed guidance);
-        aux holds `repa` (image tokens after block `repa_block`, the kept ones when routed, through the REPA
-        projector when loss.repa_weight > 0) and `repa_idx` (their token indices [B, n])."""
+        aux holds `repa` (image tokens after block `repa_block`, the kept ones when routed; the objective's REPA head
+        projects them) and `repa_idx` (their token indices [B, n])."""
         out, _, aux = self.forward(z, t, text, drop=drop, route_key=route_key)
         return out, aux
 
@@ -237,7 +218,7 @@ class DiT(nnx.Module):
             )
             x, txt = seq[:, :n_img], seq[:, n_img:]
             if hi - 1 == self.repa_block:
-                aux["repa"] = self.repa_proj(x) if self.repa_proj is not None else x
+                aux["repa"] = x
                 aux["repa_idx"] = idx
         if routed and self.route_end == depth:
             x = routing.scatter_tokens(full_img, x, idx)

@@ -34,10 +34,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 from jax.sharding import AbstractMesh, AxisType
 
-from reve_jax import sharding, train_state
+from reve_jax import batch as batch_lib
+from reve_jax import builder, sharding, train_state
 from reve_jax.model.layers import swiglu_hidden
 from reve_jax.model.routing import keep_count, route_span
 
@@ -75,9 +75,7 @@ class StateSizer:
     def __init__(self, setup: train_state.Setup):
         self.cfg = setup.cfg
         self.abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), setup.abstract_state)
-        # The logical axis names ride on the graph's variables: merge the abstract params back to read them.
-        model = nnx.merge(setup.graphdef, self.abstract["params"])
-        self.logical = nnx.to_pure_dict(nnx.get_partition_spec(nnx.state(model)))
+        self.logical = setup.logical  # the params' logical axis names, mapped onto each candidate mesh
         blocks = self.abstract["params"].get("blocks", {})
         if self.cfg.model.scan_layers:  # one stacked module: every leaf has a leading [depth] axis
             self.block_params = sum(math.prod(a.shape) for a in jax.tree.leaves(blocks)) // self.cfg.model.depth
@@ -93,7 +91,7 @@ class StateSizer:
         p_shard = sharding.param_shardings(params, self.logical, tuple(self.cfg.mesh.rules), mesh)
         o_shard = sharding.follow_params(self.abstract["opt_state"], params, p_shard, mesh)
         put = lambda tree, sh: jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, sh)
-        ema = {k: put(v, p_shard) for k, v in self.abstract["ema"].items()}
+        ema = {k: put(v, train_state.model_params(p_shard)) for k, v in self.abstract["ema"].items()}
         state = {"params": put(params, p_shard), "opt_state": put(self.abstract["opt_state"], o_shard), "ema": ema}
         state.update({k: v for k, v in self.abstract.items() if k not in STATE_GROUPS})
         return state_bytes(state)
@@ -177,10 +175,8 @@ class MemoryPlan:
 
 
 def batch_bytes(cfg, per_device: int) -> int:
-    """Bytes of one device's share of the input batch (image f32, tokens i32 or embeddings f32, mask)."""
-    t = cfg.text
-    text = t.max_len * (4 if t.encoder == "builtin" else 4 * t.emb_dim) + t.max_len
-    return per_device * (cfg.data.image_size**2 * 3 * 4 + text)
+    """Bytes of one device's share of the input batch (batch.spec: uint8 image, tokens or embeddings, mask)."""
+    return sum(math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in batch_lib.spec(cfg, None, per_device).values())
 
 
 def plan_for(
@@ -277,36 +273,12 @@ def cheapest_fit(sizer: StateSizer, devices: int, budget: int, flash: bool = Tru
 
 
 def compiled_memory(cfg, mesh) -> dict[str, int]:
-    """XLA's memory analysis of the compiled train step of `cfg` on the real `mesh` (CPU devices in tests):
-    argument, output, alias and temp bytes per device. Compiles from abstract shapes; allocates nothing."""
-    setup = train_state.make_setup(cfg, mesh)
-    b, t, s = cfg.train.global_batch, cfg.text, cfg.data.image_size
-    shapes = {"image": ((b, s, s, 3), jnp.float32), "text_mask": ((b, t.max_len), jnp.bool_)}
-    if t.encoder == "builtin":
-        shapes["tokens"] = ((b, t.max_len), jnp.int32)
-    else:
-        shapes["text_emb"] = ((b, t.max_len, t.emb_dim), jnp.float32)
-    batch = {
-        k: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(mesh, len(shape)))
-        for k, (shape, dtype) in shapes.items()
-    }
-    step = train_state.jit_train_step(setup, jax.tree.map(lambda a: a.sharding, batch))
-    # The step also takes the frozen perceptual networks' parameters when the setup carries them.
-    frozen = getattr(setup, "frozen", None)
-    extra = () if frozen is None else (frozen.states,)
-    with jax.set_mesh(mesh):
-        mem = step.lower(setup.abstract_state, batch, *extra).compile().memory_analysis()
-    return {
-        "argument": mem.argument_size_in_bytes,
-        "output": mem.output_size_in_bytes,
-        "alias": mem.alias_size_in_bytes,
-        "temp": mem.temp_size_in_bytes,
-        # With the state donated, the outputs reuse the arguments' buffers: the peak is arguments + temp.
-        "total": mem.argument_size_in_bytes
-        + mem.output_size_in_bytes
-        - mem.alias_size_in_bytes
-        + mem.temp_size_in_bytes,
-    }
+    """XLA's memory analysis of the trainer's compiled step of `cfg` (builder.Run.compile) on the real `mesh` (CPU
+    devices in tests): argument, output, alias and temp bytes per device, and `total`. Compiles from abstract
+    shapes (the batch spec of batch.py: uint8 images, as the pipeline ships them); allocates nothing."""
+    mem = builder.build(cfg, mesh).compile().memory()
+    # With the state donated, the outputs reuse the arguments' buffers: the peak is arguments + temp.
+    return {k: mem[k] for k in ("argument", "output", "alias", "temp")} | {"total": mem["estimate"]}
 
 
 def flash_for(cfg, platform: str = "gpu") -> bool:

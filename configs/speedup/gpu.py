@@ -1,0 +1,38 @@
+"""Speedup benchmark, GPU size, sized by arithmetic for about 8 minutes on one H200 (not yet run on one): JiT's
+regime at 128 px in 16 px patches (768 values per token, twice the width), 64 image tokens, scenes of up to 3
+objects, an 8-block width-384 DiT, batch 128, 2,000 steps, evaluated 10 times on 512 held-out captions.
+
+    python scripts/bench_speedup.py --size gpu --out runs/speedup_gpu
+"""
+
+from configs.recipe import common
+from configs.speedup import shared
+from reve_jax.eval.speedup import Protocol
+
+PROTOCOL = Protocol(name="gpu", steps=2000, eval_every=200, n_eval=512, lrs=(5e-4, 1e-3, 2e-3), seeds=(0, 1))
+
+MODEL = (
+    "model.width=384",
+    "model.depth=8",
+    "model.heads=6",
+    "model.patch=16",
+    "model.bottleneck=128",
+    "model.dtype='bfloat16'",
+    "text.width=128",
+    "text.depth=2",
+    "text.heads=4",
+    "text.max_len=32",
+    "data.image_size=128",
+    "data.max_objects=3",
+)
+TRAIN = (
+    "train.global_batch=128",
+    "optim.warmup_steps=100",
+    "ema.decays=(0.998,)",
+    "sample.steps=20",
+    "data.worker_threads=8",
+)
+
+
+def get_config(method=None):
+    return common.method_config("tiny", MODEL, shared.train_of(PROTOCOL) + TRAIN, method or "recipe")

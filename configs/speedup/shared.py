@@ -1,0 +1,45 @@
+"""What the speedup sizes share: the protocol's settings for every run, and the CPU sizes' model."""
+
+# A cosine LR decayed to 0 over the run (No Train No Gain), no sample grids during the run, a checkpoint at every
+# evaluation (a killed benchmark resumes), the sampler and guidance fixed across methods.
+COMMON_TRAIN = (
+    "optim.schedule='cosine'",
+    "optim.min_lr_ratio=0.0",
+    "train.sample_every=0",
+    "train.stop_on_nan=True",
+    "train.ckpt_keep=1",
+    "sample.sampler='euler'",
+    "sample.cfg_scale=3.0",
+)
+
+
+def train_of(protocol) -> tuple[str, ...]:
+    """The protocol's budget and checkpoint cadence, with COMMON_TRAIN."""
+    return (*COMMON_TRAIN, f"train.steps={protocol.steps}", f"train.ckpt_every={protocol.eval_every}")
+
+
+def cpu_model(image_size: int, patch: int) -> tuple[str, ...]:
+    """A 3-block, width-128 DiT on one-object scenes (16 caption tokens)."""
+    return (
+        "model.width=128",
+        "model.depth=3",
+        "model.heads=4",
+        f"model.patch={patch}",
+        "text.width=64",
+        "text.depth=1",
+        "text.heads=2",
+        "text.max_len=16",
+        f"data.image_size={image_size}",
+        "data.max_objects=1",
+    )
+
+
+def cpu_train(protocol, batch: int) -> tuple[str, ...]:
+    return (
+        *train_of(protocol),
+        "data.worker_threads=1",
+        f"train.global_batch={batch}",
+        "optim.warmup_steps=50",
+        "ema.decays=(0.99,)",
+        "sample.steps=12",
+    )
