@@ -1,9 +1,15 @@
 """Checkpoints: an Orbax CheckpointManager holding the train state (params, optimizer state, EMA, step, rng) and a
-JSON item (step, data position, config, mesh) beside it.
+JSON item (step, data position, config, mesh) beside it, under `<workdir>/checkpoints/<step>/`.
 
-Orbax writes each step into a temporary directory and renames it when complete, so a crash during a save leaves
-the previous checkpoint as the latest complete one. A checkpoint that fails to restore (corrupt or truncated
-files) is moved aside into `<workdir>/checkpoints_corrupt/` (never deleted) and the one before is used.
+What is never lost. Orbax writes each step into a temporary directory and renames it when complete, so a crash
+during a save leaves the previous checkpoint as the latest complete one. A save that fails (disk full, I/O error)
+raises `CheckpointSaveError` once, with one line naming the path, the cause and the last good step, and deletes
+nothing. On restore a checkpoint is moved aside into `<workdir>/checkpoints_corrupt/` (never deleted) only when its
+files cannot be decoded (`is_corruption`); an out-of-memory, timeout or I/O error moves nothing and propagates, and
+so does a saved tree that differs from the state being restored (`check_structure`). `resume` is the trainer's
+entry point: it never starts a workdir with history over at step 0 unless asked (`fresh=True`), and then keeps
+the old checkpoints under `<workdir>/checkpoints_replaced/`.
+
 Restoring onto a different mesh works by passing abstract targets that carry the new shardings.
 
 A save blocks the caller while Orbax copies the arrays off the device (the files are written in the background).
@@ -16,16 +22,25 @@ is done.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import re
 import shutil
+import sys
+import threading
 import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 log = logging.getLogger(__name__)
+
+BARRIER_TIMEOUT_S = 600  # a process that never reaches a barrier is dead; fail instead of hanging forever
 
 
 @jax.jit
@@ -39,7 +54,283 @@ def _host_shardings(tree):
 
 
 class CheckpointError(RuntimeError):
-    """No usable checkpoint where one was required."""
+    """No usable checkpoint where one was required, or checkpoints that must not be used as they are."""
+
+
+class StructureMismatchError(CheckpointError):
+    """The saved tree differs from the state being restored (paths, shapes or dtypes); nothing was moved."""
+
+
+class CheckpointRestoreError(CheckpointError):
+    """A restore failed for a reason other than damaged files (memory, I/O, timeout); nothing was moved."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A save failed (disk full, I/O error). `str()` is one line: the path, the cause and the last good step."""
+
+    def __init__(self, message: str, *, step: int, path: Path, cause: str, last_good_step: int | None):
+        super().__init__(message)
+        self.step, self.path, self.cause, self.last_good_step = step, path, cause, last_good_step
+
+
+# ---------------------------------------------------------------- What counts as damaged files
+# Tensorstore (under Orbax) raises ValueError("CODE: ...") with an absl status code. These codes mean the bytes on
+# disk could not be decoded: truncated or missing chunks, a garbled manifest, invalid JSON.
+_DECODE_CODES = {"DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "FAILED_PRECONDITION", "INVALID_ARGUMENT"}
+# These mean the environment failed (memory, quota, permissions, a slow or absent file system): the files may
+# well be fine, and moving them aside would make the next launch start over.
+_ENVIRONMENT_CODES = {
+    "RESOURCE_EXHAUSTED", "UNAVAILABLE", "DEADLINE_EXCEEDED", "PERMISSION_DENIED", "ABORTED", "CANCELLED",
+    "INTERNAL", "UNKNOWN", "UNIMPLEMENTED", "UNAUTHENTICATED", "ALREADY_EXISTS",
+}  # fmt: skip
+_CODE = re.compile(r"(?:^|[\s(\[])([A-Z][A-Z_]{4,}):")
+_OS_ERRNO = re.compile(r"os_error_code='(\d+)'|\[OS error (\d+)")
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    """`exc` and the exceptions it was raised from (Orbax wraps tensorstore's errors in a bare Exception)."""
+    out, seen = [], set()
+    while exc is not None and id(exc) not in seen and len(out) < 32:
+        out.append(exc)
+        seen.add(id(exc))
+        exc = exc.__cause__ or (None if exc.__suppress_context__ else exc.__context__)
+    return out
+
+
+def _is_device_error(exc: BaseException) -> bool:
+    """JAX/XLA runtime errors (device out of memory and the like); matched by name across jax versions."""
+    return any(c.__name__ in ("JaxRuntimeError", "XlaRuntimeError") for c in type(exc).__mro__)
+
+
+def is_corruption(exc: BaseException) -> bool:
+    """Whether a restore failure means the checkpoint's files cannot be decoded (missing or truncated files,
+    unparseable metadata, tensorstore/zarr decode errors), so the checkpoint may be set aside.
+
+    Anything that points at the environment instead wins: out of memory (MemoryError, a JAX runtime error such as
+    RESOURCE_EXHAUSTED), timeouts, OS errors other than a missing file (EIO, ENOSPC, EACCES, ESTALE), and
+    tensorstore codes such as RESOURCE_EXHAUSTED or UNAVAILABLE. So does our own StructureMismatchError. Unknown
+    errors are not corruption: refusing to start is recoverable, moving good checkpoints aside is not.
+    """
+    chain = _chain(exc)
+    texts = [str(e)[:4000] for e in chain]
+    for e, text in zip(chain, texts, strict=True):
+        if isinstance(e, (CheckpointError, MemoryError)) or _is_device_error(e):
+            return False
+        if isinstance(e, OSError) and not isinstance(e, FileNotFoundError):  # includes TimeoutError
+            return False
+        if _ENVIRONMENT_CODES.intersection(_CODE.findall(text)):
+            return False
+        if any(int(a or b) != 2 for a, b in _OS_ERRNO.findall(text)):  # an OS error other than ENOENT
+            return False
+    for e, text in zip(chain, texts, strict=True):
+        if isinstance(e, (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError)):
+            return True
+        if isinstance(e, KeyError) and ("not found in the checkpoint" in text or "Unknown key" in text):
+            return True  # a whole item directory is missing
+        if type(e).__module__.startswith("msgpack"):
+            return True
+        if _DECODE_CODES.intersection(_CODE.findall(text)):
+            return True
+    return False
+
+
+# ---------------------------------------------------------------- Structure
+def _path_str(path) -> str:
+    """A tree path as "a/b/0/c", the same for our dicts/lists/namedtuples and Orbax's metadata dicts."""
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _dtype_str(dtype) -> str:
+    try:
+        return np.dtype(dtype).name
+    except TypeError:  # extended dtypes (typed PRNG keys)
+        return str(dtype)
+
+
+def _leaf_specs(tree) -> dict[str, tuple[tuple, str]]:
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        shape = getattr(leaf, "shape", None)
+        if shape is not None:
+            out[_path_str(path)] = (tuple(shape), _dtype_str(leaf.dtype))
+    return out
+
+
+def structure_differences(saved: dict, wanted: dict) -> list[str]:
+    """Human-readable differences between two {path: (shape, dtype)} maps, sorted by path."""
+    diffs = []
+    for p in sorted(set(saved) | set(wanted)):
+        if p not in saved:
+            diffs.append(f"{p} missing from the checkpoint")
+        elif p not in wanted:
+            diffs.append(f"{p} in the checkpoint but not in this state")
+        elif saved[p][0] != wanted[p][0]:
+            diffs.append(f"{p} shape saved {saved[p][0]}, now {wanted[p][0]}")
+        elif saved[p][1] != wanted[p][1]:
+            diffs.append(f"{p} dtype saved {saved[p][1]}, now {wanted[p][1]}")
+    return diffs
+
+
+# ---------------------------------------------------------------- Processes
+def _barrier(name: str, timeout_s: float = BARRIER_TIMEOUT_S):
+    """Wait for every process, with a timeout (sync_global_devices has none: a dead peer would hang us)."""
+    if jax.process_count() == 1:
+        return
+    try:
+        from jax._src.distributed import global_state
+
+        client = global_state.client
+    except ImportError:  # a jax without the coordination-service client
+        client = None
+    if client is not None:
+        client.wait_at_barrier(name, int(timeout_s * 1000))
+    else:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _short_cause(exc: BaseException) -> str:
+    """The cause of a failed write in a few words: the OS error when there is one, else the first line."""
+    for e in _chain(exc):
+        if isinstance(e, OSError) and e.errno:
+            return f"{os.strerror(e.errno)} (errno {e.errno})"
+        for a, b in _OS_ERRNO.findall(str(e)):
+            return f"{os.strerror(int(a or b))} (errno {int(a or b)})"
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first[:300]}"
+
+
+# ---------------------------------------------------------------- Orbax's own reports of a failure
+class _Watch:
+    """One Checkpointer's share of `_NoiseFilter`: whether an operation on its directory is in flight (its noise
+    is held), and whether one failed and was reported (its noise is dropped from then on)."""
+
+    def __init__(self, hub: _NoiseFilter, directory: Path):
+        self.hub, self.directory = hub, str(directory)
+        self.active = 0  # operations in flight
+        self.reported = False
+        self.held: list[tuple[str, object]] = []
+
+    def begin(self):
+        with self.hub.lock:
+            self.active += 1
+
+    def end(self, ok: bool):
+        """The operation finished: replay what was held if it succeeded, else drop it (its error says it)."""
+        with self.hub.lock:
+            held, self.held = self.held, []
+            self.active = max(0, self.active - 1)
+            self.reported = self.reported or not ok
+        if ok:
+            for kind, item in held:
+                self.hub.replay(kind, item)
+
+    def first_error(self) -> str | None:
+        for kind, item in self.held:
+            if kind == "log":
+                return item.getMessage().splitlines()[0][:300]
+        return None
+
+    def close(self):
+        if not self.reported:  # after a failure, keep dropping the abandoned writes' noise until exit
+            self.hub.remove(self)
+
+
+class _NoiseFilter:
+    """Holds back what a failing Orbax write prints by itself, so that the failure is reported once.
+
+    A write that fails (a full disk) makes Orbax's threads log the error with tracebacks (the absl logger), asyncio
+    report "Future exception was never retrieved" for pending chunks, tensorstore call back into closed event loops
+    ("Event loop is closed", through sys.unraisablehook) and, at exit, the abandoned write coroutines complain.
+    While a save or restore of a watched directory is in flight, error records that mention the directory and
+    those unraisables are held; if the operation succeeds they are replayed unchanged, if it fails they are dropped
+    (CheckpointSaveError or the restore error reports it), as is later noise about that directory. Anything else
+    passes through. One per process: the hooks are process-wide; installed on first use.
+    """
+
+    LOGGERS = ("absl", "asyncio")
+
+    def __init__(self):
+        self.lock = threading.RLock()  # GC may run a finalizer (and this hook) while the lock is held
+        self.watches: list[_Watch] = []
+        self.previous_hook = None
+
+    def watch(self, directory: Path) -> _Watch:
+        with self.lock:
+            if self.previous_hook is None:
+                self.previous_hook = sys.unraisablehook
+                sys.unraisablehook = self.unraisable
+                for name in self.LOGGERS:
+                    logging.getLogger(name).addFilter(self)
+            w = _Watch(self, directory)
+            self.watches.append(w)
+            return w
+
+    def remove(self, w: _Watch):
+        with self.lock:
+            if w in self.watches:
+                self.watches.remove(w)
+
+    def _claim(self, text: str, orbax_noise: bool, kind: str, item) -> bool:
+        """Hold or drop `item` when it belongs to a watched operation; False lets it through."""
+        with self.lock:
+            mine = [w for w in self.watches if w.directory in text]
+            if not mine and orbax_noise:
+                # It names no path. After a failure it is the abandoned work's (callbacks arrive late, even while
+                # the next operation runs); else it belongs to what is in flight.
+                if any(w.reported for w in self.watches):
+                    return True
+                mine = [w for w in self.watches if w.active]
+            for w in mine:
+                if w.active:
+                    w.held.append((kind, item))
+                    return True
+                if w.reported:
+                    return True
+        return False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """logging.Filter protocol, on the absl and asyncio loggers: only ERROR records are considered."""
+        if record.levelno < logging.ERROR or not self.watches:
+            return True
+        try:
+            text = record.getMessage()
+            if record.exc_info:
+                text += logging.Formatter().formatException(record.exc_info)
+        except Exception:
+            return True
+        return not self._claim(text, False, "log", record)
+
+    def unraisable(self, u):
+        try:
+            exc, obj = u.exc_value, u.object
+            code = getattr(obj, "cr_code", None) or getattr(obj, "gi_code", None)
+            orbax_noise = (isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)) or (
+                code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+            )
+            claimed = bool(self.watches) and self._claim(f"{exc} {u.err_msg}", orbax_noise, "unraisable", u)
+        except Exception:  # at interpreter exit almost anything can fail; never lose the report then
+            claimed = False
+        if not claimed:
+            self.previous_hook(u)
+
+    def replay(self, kind: str, item):
+        if kind == "log":
+            logging.getLogger(item.name).handle(item)
+        else:
+            self.previous_hook(item)
+
+
+_NOISE = _NoiseFilter()
 
 
 class Checkpointer:
@@ -48,8 +339,14 @@ class Checkpointer:
     def __init__(self, workdir: str | Path, keep: int = 3, async_save: bool = True):
         self.workdir = Path(workdir).absolute()
         self.directory = self.workdir / "checkpoints"
+        self.corrupt_dir = self.workdir / "checkpoints_corrupt"
+        self.replaced_dir = self.workdir / "checkpoints_replaced"
         self.keep, self.async_save = keep, async_save
         self._staged: tuple[int, object, dict] | None = None
+        self._pending: int | None = None  # the step of an async save not yet known to be complete
+        self._failure: CheckpointSaveError | None = None
+        self._barriers = 0
+        self._noise = _NOISE.watch(self.directory)
         self._open()
 
     def _open(self):
@@ -58,29 +355,59 @@ class Checkpointer:
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
+    def _sync(self, what: str):
+        self._barriers += 1  # every process makes the same calls in the same order, so the names agree
+        _barrier(f"reve_jax_checkpoint_{what}_{self._barriers}")
+
     def steps(self) -> list[int]:
         """Complete checkpoints, oldest first."""
         return sorted(self.manager.all_steps())
 
+    def _disk_steps(self) -> list[int]:
+        """Complete checkpoints as the directory shows them (Orbax's temporary directories have a suffix)."""
+        if not self.directory.is_dir():
+            return []
+        return sorted(int(p.name) for p in self.directory.iterdir() if p.name.isdigit() and p.is_dir())
+
+    def has_history(self) -> bool:
+        """Whether this workdir ever held a checkpoint: a complete step in checkpoints/ or anything set aside in
+        checkpoints_corrupt/. A run in such a workdir must resume, not start over (see `resume`)."""
+        return bool(self._disk_steps()) or (self.corrupt_dir.is_dir() and any(self.corrupt_dir.iterdir()))
+
+    # ------------------------------------------------------------ Save
     def save(self, step: int, state, meta: dict, *, force: bool = False) -> bool:
         """Start saving `state` (a pytree of jax.Arrays) and `meta` (JSON-able) at `step`; returns whether a save
         started. Async: the arrays are copied off the device before this returns, the files land in the
-        background; `wait()` blocks until they are complete."""
+        background; `wait()` blocks until they are complete. Raises CheckpointSaveError when this save or the
+        previous one failed."""
         self.commit()  # an older staged save goes first: steps stay in order
+        self._settle()
         if step in self.manager.all_steps():
             return False
         meta = dict(meta, step=int(step), saved_at=time.time())
-        return self.manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-            force=force,
-        )
+        self._noise.begin()
+        try:
+            started = self.manager.save(
+                step,
+                args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+                force=force,
+            )
+        except Exception as e:
+            self._fail(step, e)
+        if not started:
+            self._noise.end(ok=True)
+            return False
+        self._pending = step
+        if not self.async_save:
+            self._settle()  # already complete: check that it landed
+        return True
 
     def stage(self, step: int, state, meta: dict) -> bool:
         """Start a save of `state` at `step` whose device-to-host copy overlaps what the caller runs next; returns
         whether one was staged. Call `commit()` after dispatching the next step (save, wait and close commit too).
         """
         self.commit()
+        self._raise_if_failed()  # the previous save's outcome is checked at commit: stage must not wait for it
         if step in self.manager.all_steps():
             return False
         snapshot = _device_copy(state)  # the caller may donate `state` to its next step
@@ -100,15 +427,68 @@ class Checkpointer:
     def staged_step(self) -> int | None:
         return None if self._staged is None else self._staged[0]
 
+    def _settle(self):
+        """Wait for the save in flight and check that it landed; a failure raises CheckpointSaveError. After a
+        failure every later save raises again (the run must stop), while wait/close stay quiet."""
+        self._raise_if_failed()
+        step, self._pending = self._pending, None
+        if step is None:
+            return
+        try:
+            self.manager.wait_until_finished()
+        except Exception as e:
+            self._fail(step, e)
+        if not (self.directory / str(step)).is_dir():  # Orbax may log an error and skip the final rename
+            self._fail(step, RuntimeError(self._noise.first_error() or "Orbax did not finalize the checkpoint"))
+        self._noise.end(ok=True)
+
+    def _raise_if_failed(self):
+        f = self._failure
+        if f is not None:
+            raise CheckpointSaveError(str(f), step=f.step, path=f.path, cause=f.cause, last_good_step=f.last_good_step)
+
+    def _fail(self, step: int, exc: BaseException):
+        self._noise.end(ok=False)  # what Orbax printed about it is dropped: this error says it once
+        last = self._disk_steps()
+        last_good = last[-1] if last else None
+        path = self.directory / str(step)
+        cause = _short_cause(exc)
+        then = (
+            f"the last good checkpoint is step {last_good} in {self.directory}; nothing was deleted, and once the "
+            f"cause is fixed a relaunch resumes from step {last_good}"
+            if last_good is not None
+            else "no earlier checkpoint exists"
+        )
+        self._failure = CheckpointSaveError(
+            f"checkpoint save failed: step {step} could not be written to {path}: {cause}; {then}",
+            step=step,
+            path=path,
+            cause=cause,
+            last_good_step=last_good,
+        )
+        raise self._failure from exc
+
     def wait(self):
+        """Block until the saves started so far are complete; raises CheckpointSaveError if one failed (once)."""
+        if self._failure is not None:
+            return
         self.commit()
-        self.manager.wait_until_finished()
+        self._settle()
 
     def close(self):
-        self.commit()
-        self.manager.wait_until_finished()
-        self.manager.close()
+        """Commit and complete outstanding saves, then release Orbax's threads. Raises CheckpointSaveError only
+        for a failure not reported before."""
+        try:
+            self.wait()
+        finally:
+            try:
+                self.manager.close()
+            except Exception:
+                if self._failure is None:  # a failure already reported is not reported twice
+                    raise
+            self._noise.close()
 
+    # ------------------------------------------------------------ Restore
     def restore_meta(self, step: int) -> dict:
         return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
@@ -121,46 +501,128 @@ class Checkpointer:
         )
         return restored["state"], dict(restored["meta"])
 
+    def saved_structure(self, step: int) -> dict[str, tuple[tuple, str]]:
+        """{path: (shape, dtype)} of checkpoint `step`'s state, from Orbax's tree metadata (no array is read).
+        Raises what reading the metadata raises (FileNotFoundError when the metadata file is missing)."""
+        state_dir = self.directory / str(step) / "state"
+        if not (state_dir / "_METADATA").is_file():
+            raise FileNotFoundError(f"{state_dir / '_METADATA'} is missing")
+        handler = ocp.StandardCheckpointHandler()
+        try:
+            return _leaf_specs(handler.metadata(epath.Path(state_dir)))
+        finally:
+            handler.close()
+
+    def check_structure(self, step: int, abstract_state) -> None:
+        """Raise StructureMismatchError naming the differing paths when checkpoint `step` does not hold a tree of
+        the paths, shapes and dtypes of `abstract_state`. Moves nothing."""
+        diffs = structure_differences(self.saved_structure(step), _leaf_specs(abstract_state))
+        if diffs:
+            shown = "; ".join(diffs[:8]) + (f"; and {len(diffs) - 8} more" if len(diffs) > 8 else "")
+            raise StructureMismatchError(
+                f"checkpoint {step} in {self.directory} does not match the train state of this config "
+                f"({len(diffs)} differences: {shown}). Resume with the config it was written with, convert the "
+                f"workdir with scripts/convert_checkpoint.py, or train in a new --workdir. Nothing was moved."
+            )
+
     def restore_latest(self, abstract_state) -> tuple[object, dict] | None:
         """Restore the newest checkpoint that loads, onto the shardings carried by `abstract_state` (a pytree of
-        jax.ShapeDtypeStruct with `sharding`). Returns (state, meta), or None when there is no checkpoint.
-        Checkpoints that fail to load are moved aside and the previous one is tried."""
+        jax.ShapeDtypeStruct with `sharding`). Returns (state, meta), or None when checkpoints/ holds none.
+
+        A checkpoint whose files cannot be decoded (`is_corruption`) is moved to checkpoints_corrupt/ and the
+        previous one is tried; when none is left, CheckpointError says what to do. A structure mismatch raises
+        StructureMismatchError, any other failure CheckpointRestoreError; both move nothing."""
         bad = []
-        result = None
         for step in reversed(self.steps()):
+            self._noise.begin()
             try:
+                self.check_structure(step, abstract_state)
                 result = self.restore(step, abstract_state)
-                break
-            except Exception as e:  # any failure to read means this step is unusable; keep the files
+            except StructureMismatchError:
+                self._noise.end(ok=False)
+                raise
+            except Exception as e:
+                self._noise.end(ok=False)
+                if not is_corruption(e):
+                    raise CheckpointRestoreError(
+                        f"checkpoint {step} in {self.directory} could not be restored ({type(e).__name__}: "
+                        f"{str(e)[:500]}). That is not damage to its files, so nothing was moved: fix the cause "
+                        f"(memory, disk, permissions, a slow file system) and relaunch."
+                    ) from e
                 log.warning(
-                    "checkpoint %d in %s could not be restored (%s: %s); trying the previous one",
+                    "checkpoint %d in %s cannot be decoded (%s: %s); setting it aside and trying the previous one",
                     step,
                     self.directory,
                     type(e).__name__,
                     str(e)[:500],
                 )
                 bad.append(step)
+                continue
+            self._noise.end(ok=True)
+            if bad:
+                self._quarantine(bad)
+            return result
         if bad:
             self._quarantine(bad)
-        if result is None and bad:
-            raise CheckpointError(
-                f"none of the checkpoints {bad} in {self.directory} could be restored; they were moved to "
-                f"{self.workdir / 'checkpoints_corrupt'}. Start a fresh run in a new workdir or repair them."
-            )
-        return result
+            raise CheckpointError(self.nothing_restorable_message())
+        return None
+
+    def nothing_restorable_message(self) -> str:
+        n = len(list(self.corrupt_dir.iterdir())) if self.corrupt_dir.is_dir() else 0
+        return (
+            f"no checkpoint in {self.workdir} could be restored; {n} were set aside in {self.corrupt_dir}. Repair "
+            f"or remove them, or pass --fresh to start over at step 0 (the old checkpoints are kept in "
+            f"{self.replaced_dir}/)."
+        )
 
     def _quarantine(self, steps: list[int]):
-        """Move unreadable checkpoints out of the manager's directory so a later save at the same step works."""
+        """Move undecodable checkpoints out of the manager's directory so a later save at the same step works."""
         self.manager.close()
         if jax.process_index() == 0:
-            dest = self.workdir / "checkpoints_corrupt"
-            dest.mkdir(parents=True, exist_ok=True)
+            self.corrupt_dir.mkdir(parents=True, exist_ok=True)
             for step in steps:
                 src = self.directory / str(step)
                 if src.exists():
-                    shutil.move(str(src), str(dest / f"{step}.{int(time.time())}"))
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            multihost_utils.sync_global_devices("reve_jax_checkpoint_quarantine")
+                    shutil.move(str(src), str(self.corrupt_dir / f"{step}.{int(time.time())}"))
+        self._sync("quarantine")
         self._open()
+
+    def replace_history(self) -> Path | None:
+        """Move checkpoints/ and checkpoints_corrupt/ into checkpoints_replaced/<UTC time>/ (nothing is deleted)
+        and reopen an empty checkpoints/; returns where they went (None when there was nothing to move)."""
+        self.wait()
+        self.manager.close()
+        dest = None
+        if jax.process_index() == 0 and self.has_history():
+            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+            dest = self.replaced_dir / stamp
+            n = 1
+            while dest.exists():
+                n += 1
+                dest = self.replaced_dir / f"{stamp}.{n}"
+            dest.mkdir(parents=True)
+            for src in (self.directory, self.corrupt_dir):
+                if src.exists():
+                    shutil.move(str(src), str(dest / src.name))
+        self._sync("replace")
+        self._open()
+        return dest
+
+
+def resume(ckpt: Checkpointer, abstract_state, *, fresh: bool = False) -> tuple[object, dict] | None:
+    """The trainer's start: (state, meta) of the newest restorable checkpoint, or None to start at step 0.
+
+    None only when the workdir has no history (`Checkpointer.has_history`) or when `fresh` is set; with `fresh`,
+    existing checkpoints (and set-aside ones) are first moved into checkpoints_replaced/<UTC time>/. Without
+    `fresh`, a workdir with history but nothing restorable raises CheckpointError on every launch, so a supervisor
+    that relaunches by itself never starts the run over. Errors of `restore_latest` propagate.
+    """
+    if fresh:
+        dest = ckpt.replace_history()
+        if dest is not None:
+            log.info("--fresh: starting at step 0; the previous checkpoints were moved to %s", dest)
+        return None
+    result = ckpt.restore_latest(abstract_state)
+    if result is None and ckpt.has_history():
+        raise CheckpointError(ckpt.nothing_restorable_message())
+    return result
