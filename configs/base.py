@@ -73,6 +73,10 @@ def get_config() -> ml_collections.ConfigDict:
     d.seed = 0  # dataset content seed (independent of c.seed so runs can vary while data stays fixed)
     d.num_samples = 1_000_000  # size of the index space; the order is a fresh permutation each epoch
     d.max_objects = 3
+    d.min_objects = 1  # each synthetic image has min_objects..max_objects objects
+    d.shapes = ()  # synthetic shapes drawn from (names from circle, square, triangle, diamond, cross); () = all
+    d.colors = ()  # synthetic palette for backgrounds and objects (at least 2 of the 8 names); () = all
+    d.render = "jitter"  # jitter (each caption a distribution of images) | fixed (one image per caption, as before)
     d.path = ""  # shards directory (data.name=shards)
     d.worker_threads = 2  # grain read threads per process (each builds whole batches)
     d.worker_processes = 0  # grain worker processes (0: none); for hosts where the GIL-bound decode starves the step

@@ -25,6 +25,7 @@ CHOICES = {
     "model.param_dtype": ("float32", "bfloat16"),
     "text.encoder": ("builtin", "precomputed"),
     "data.name": ("synthetic", "shards"),
+    "data.render": ("jitter", "fixed"),
     "diffusion.prediction": ("x", "v", "eps"),
     "diffusion.loss_space": ("x", "v", "eps"),
     "diffusion.t_sampler": ("logit_normal", "uniform"),

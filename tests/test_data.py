@@ -1,7 +1,9 @@
 """The synthetic dataset, its tokenizer and the Grain pipeline (fast: small images, few samples)."""
 
+import hashlib
 import importlib.util
 import itertools
+import math
 import pathlib
 
 import numpy as np
@@ -52,7 +54,7 @@ def test_getitem_contract_and_bounds():
 
 @pytest.mark.parametrize("size", [32, 64])
 def test_every_attribute_is_rendered(size):
-    ds = SyntheticShapes(size, 10_000, seed=1, max_objects=4)
+    ds = SyntheticShapes(size, 10_000, seed=1, max_objects=4, render="fixed")
     seen_counts = set()
     for i in range(120):
         s = ds[i]
@@ -116,6 +118,97 @@ def test_sizes_and_shapes_differ_at_every_resolution():
         assert img.shape == (size, size, 3)
         # Anti-aliased edges: some pixels are strictly between the two colors.
         assert ((img[..., 0] > 15) & (img[..., 0] < 245)).any()
+
+
+def test_fixed_rendering_is_bit_for_bit_the_earlier_one():
+    # Hash of these images and captions from the code before the jittered rendering existed.
+    h = hashlib.sha256()
+    for size in (16, 32, 64):
+        for max_objects in (1, 3):
+            ds = SyntheticShapes(size, 1000, 5, max_objects, render="fixed")
+            for i in range(20):
+                s = ds[i]
+                h.update(s["image"].tobytes())
+                h.update(s["caption"].encode())
+    assert h.hexdigest() == "6ac7f7048a25e4b1a92501be162818d64e0af03a7b5d0c3e11de06bf8d96c988"
+
+
+def test_jitter_gives_each_caption_a_distribution():
+    fixed, jitter = SyntheticShapes(32, 1000, 2, render="fixed"), SyntheticShapes(32, 1000, 2)
+    assert jitter.render == "jitter"
+    for i in range(20):
+        assert jitter.caption(i) == fixed.caption(i) and jitter.scene(i) == fixed.scene(i)  # same captions
+        a, b = jitter.image(i), jitter.image(i, variant=1)
+        np.testing.assert_array_equal(a, jitter[i]["image"])
+        assert np.abs(a.astype(int) - b).max() > 3, i  # another image of the same caption
+        assert not np.array_equal(a, fixed[i]["image"])
+    np.testing.assert_array_equal(fixed.image(3, variant=1), fixed[3]["image"])  # fixed: one image per caption
+    # Jittered scenes differ in what the caption does not fix: positions, sizes, turns, shades.
+    styles = [jitter.style(i) for i in range(200)]
+    objs = [o for st in styles for o in st.objects]
+    assert np.std([o.dx for o in objs]) > 0.05 and np.std([o.r for o in objs]) > 0.03
+    assert len({round(o.angle) for o in objs}) > 20 and len({st.rgb for st in styles}) == 200
+
+
+def test_jitter_geometry_grows_from_fixed_at_16px_to_full_at_32px():
+    assert [synthetic.geometry_strength(s) for s in (9, 16, 24, 32, 128)] == [0.0, 0.0, 0.5, 1.0, 1.0]
+    scene = Scene("white", (SceneObject("triangle", "red", "small", 4),))
+    drawn = synthetic.sample_style(np.random.default_rng(0), scene, strength=0.0)
+    np.testing.assert_allclose(  # no geometric variation left: the fixed rendering's coverage
+        synthetic.render_jittered(scene, drawn, 16)[..., 1] < 200, synthetic.render_scene(scene, 16)[..., 1] < 200
+    )
+
+
+@pytest.mark.parametrize("size", [16, 24, 32, 64, 128])
+def test_jittered_objects_stay_readable(size):
+    """Every stated attribute stays checkable: an object stays inside its cell (a margin from the edge), its
+    half-extent in its size class's range (the classes do not overlap), its shade nearest its own palette color,
+    and pixels away from every object are background (shade, gradient and texture within their bounds)."""
+    ds = SyntheticShapes(size, 10_000, seed=3, max_objects=4)
+    jit, cw = synthetic.JITTER, size / 3
+    palette = np.array([COLORS[c] for c in synthetic.COLOR_NAMES], float)
+    for i in range(40):
+        sample, style = ds[i], ds.style(i)
+        img, scene = sample["image"].astype(float), sample["description"]
+        occupied = np.zeros((size, size), bool)
+        t = np.arange(size) + 0.5
+        for o, st in zip(scene.objects, style.objects, strict=True):
+            lo, hi = jit.small if o.size == "small" else jit.large
+            assert lo - 1e-9 <= st.r <= hi + 1e-9 or ds.strength < 1
+            ey, ex = synthetic.shape_extent(o.shape, st.r, st.angle)
+            if ds.strength == 1:
+                assert abs(st.dy) + ey <= 0.5 - jit.margin + 1e-9 and abs(st.dx) + ex <= 0.5 - jit.margin + 1e-9
+            nearest = np.square(palette - st.rgb).sum(1).argmin()
+            assert synthetic.COLOR_NAMES[nearest] == o.color
+            cy, cx = (o.row + 0.5 + st.dy) * cw, (o.col + 0.5 + st.dx) * cw
+            cov = synthetic.shape_coverage(o.shape, t[:, None] - cy, t[None, :] - cx, st.r * cw, st.angle)
+            rows, cols = np.nonzero(cov > 0)
+            assert rows.min() >= math.floor(o.row * cw) - 1 and rows.max() < math.ceil((o.row + 1) * cw) + 1
+            assert cols.min() >= math.floor(o.col * cw) - 1 and cols.max() < math.ceil((o.col + 1) * cw) + 1
+            if (cov == 1.0).any():  # the 16 px small objects cover no pixel fully
+                assert np.abs(img[cov == 1.0] - st.rgb).max() <= 1.0
+            occupied |= cov > 0
+        bound = jit.gradient + jit.texture + 1.0
+        assert np.abs(img[~occupied] - style.rgb).max() <= bound, i
+        assert np.abs(np.subtract(style.rgb, COLORS[scene.background])).max() <= jit.shade + 1e-9
+
+
+def test_scene_knobs_and_their_errors():
+    ds = SyntheticShapes(16, 1000, 0, max_objects=4, min_objects=2, shapes=("circle", "cross"), colors=("red", "blue"))
+    for i in range(100):
+        scene = ds.scene(i)
+        assert 2 <= len(scene.objects) <= 4 and scene.background in ("red", "blue")
+        assert all(o.shape in ("circle", "cross") and o.color != scene.background for o in scene.objects)
+    # The default knobs draw the earlier scenes.
+    assert SyntheticShapes(16, 1000, 0, 3, shapes=synthetic.SHAPES).scene(7) == SyntheticShapes(16, 1000, 0, 3).scene(7)
+    for kwargs, match in (
+        ({"min_objects": 4}, "min_objects"),
+        ({"shapes": ("circle", "star")}, "shapes"),
+        ({"colors": ("red",)}, "colors"),
+        ({"render": "smooth"}, "render"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            SyntheticShapes(16, 10, 0, 3, **kwargs)
 
 
 # ---------------------------------------------------------------- tokenizer
@@ -242,6 +335,13 @@ def test_changing_process_count_continues_the_global_sequence():
     got = [_concat(g) for g in zip(*first, strict=True)] + [_concat(g) for g in zip(*then, strict=True)]
     _assert_batches_equal(whole, got)
     np.testing.assert_array_equal(pipeline.local_positions(8, 1, 4, 16, 2), [[18, 19], [26, 27]])
+
+
+def test_dataset_from_config_passes_the_scene_knobs():
+    cfg = _data_cfg(min_objects=2, max_objects=2, shapes=("square",), colors=("red", "white"), render="fixed")
+    ds = pipeline.dataset_from_config(cfg)
+    assert (ds.min_objects, ds.shapes, ds.colors, ds.render) == (2, ("square",), ("red", "white"), "fixed")
+    assert pipeline.dataset_from_config(_data_cfg()).render == "jitter"  # the default for new runs
 
 
 def test_clear_errors():

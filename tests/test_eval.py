@@ -18,8 +18,8 @@ from reve_jax.eval import alignment, features, quality, report, speedup, vloss
 # ------------------------------------------------------------------------------------------ caption alignment
 
 
-def _dataset(size=32, n=48, max_objects=3):
-    ds = synthetic.SyntheticShapes(size, 10**6, 0, max_objects)
+def _dataset(size=32, n=48, max_objects=3, render="jitter"):
+    ds = synthetic.SyntheticShapes(size, 10**6, 0, max_objects, render=render)
     return np.stack([ds[i]["image"] for i in range(n)]), [ds.scene(i) for i in range(n)]
 
 
@@ -33,19 +33,21 @@ def _shift_colors(images, s):
     return ((1 - s) * f + s * f[..., [1, 2, 0]]).round().astype(np.uint8)
 
 
-@pytest.mark.parametrize("size", [32, 64])
-def test_alignment_is_perfect_on_the_datasets_own_images(size):
-    images, scenes = _dataset(size)
+@pytest.mark.parametrize("render", ["jitter", "fixed"])
+@pytest.mark.parametrize("size", [16, 24, 32, 64, 128])
+def test_alignment_is_perfect_on_the_datasets_own_images(size, render):
+    images, scenes = _dataset(size, n=64 if size < 128 else 32, render=render)
     r = alignment.score(images, scenes)
-    assert r["align_overall"] == 1.0 and r["align_exact"] == 1.0, r
+    assert r["align_overall"] >= 0.995 and r["align_exact"] >= 0.97, r
     # The model's float range reads the same.
     assert alignment.score(images.astype(np.float32) / 127.5 - 1.0, scenes) == r
 
 
-def test_alignment_flags_exactly_the_wrong_attribute():
-    ds = synthetic.SyntheticShapes(32, 10**6, 0, 2)
+@pytest.mark.parametrize("render", ["jitter", "fixed"])
+def test_alignment_flags_exactly_the_wrong_attribute(render):
+    ds = synthetic.SyntheticShapes(32, 10**6, 0, 2, render=render)
     scene = ds.scene(3)
-    image = synthetic.render_scene(scene, 32)
+    image = ds[3]["image"]
     o = scene.objects[0]
     other_color = next(c for c in synthetic.COLOR_NAMES if c not in (o.color, scene.background))
     other_shape = next(s for s in synthetic.SHAPES if s != o.shape)

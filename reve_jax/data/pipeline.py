@@ -241,8 +241,17 @@ def _stage_entries(data_cfg: Any) -> list[tuple[int, Any]]:
 
 def _open_dataset(data_cfg: Any, what: Any) -> Dataset:
     if data_cfg.name == "synthetic":
+        # A config saved before data.render existed (an old checkpoint, a benchmark's run record) was rendered
+        # fixed, with the default scene draws: read it that way.
         return synthetic.SyntheticShapes(
-            image_size=what, num_samples=data_cfg.num_samples, seed=data_cfg.seed, max_objects=data_cfg.max_objects
+            image_size=what,
+            num_samples=data_cfg.num_samples,
+            seed=data_cfg.seed,
+            max_objects=data_cfg.max_objects,
+            min_objects=data_cfg.get("min_objects", 1),
+            shapes=tuple(data_cfg.get("shapes", ())),
+            colors=tuple(data_cfg.get("colors", ())),
+            render=data_cfg.get("render", "fixed"),
         )
     return shards.ShardSource(what)
 

@@ -1,12 +1,24 @@
 """Procedural captioned shapes: a text-to-image dataset that needs no download.
 
-Each sample is a solid background with 1 to `max_objects` shapes, each in its own cell of a 3x3 grid, and a
+Each sample is a background with `min_objects` to `max_objects` shapes, each in its own cell of a 3x3 grid, and a
 caption that states every attribute, e.g. "a small red circle at the top left and a large blue square in the
 center, on a white background". Sample `index` is drawn from `np.random.default_rng([seed, index])`, so any
 index can be read at any time, in any order, by any process, and always gives the same scene.
 
+Two renderings of a scene (`render`):
+
+- "jitter" (the default): the caption fixes a distribution of images, not one image. What it does not state
+  varies (`Style`, drawn after the scene from the same generator): each object's position within its named cell,
+  its size within its size class, its rotation where the shape shows one (a circle has none; squares, diamonds
+  and crosses turn by at most 15 degrees, so a square never becomes a diamond; triangles turn freely), its shade
+  within its named color, and the background's shade, a smooth linear gradient and a light texture. Every stated
+  attribute stays readable from the pixels: objects stay inside their cells, the size classes do not overlap, and
+  every shade stays nearer its own palette color than any other (`JITTER` bounds it all).
+- "fixed": every image is a deterministic function of its caption (plain background, objects centered in their
+  cells at two exact sizes). Bit-for-bit the rendering of earlier versions, for reproducing old runs.
+
 The structured `Scene` is kept beside the caption so a benchmark can check generated pixels against it
-(`object_coverage` and `cell_center` give the geometry it was drawn with).
+(`object_coverage` and `cell_center` give the geometry of the fixed rendering; `Style` that of a jittered one).
 """
 
 import dataclasses
@@ -16,6 +28,8 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 import numpy as np
+
+from reve_jax.config import CHOICES
 
 # Well separated sRGB colors; a single name each so captions stay one word per attribute.
 COLORS: Mapping[str, tuple[int, int, int]] = MappingProxyType(
@@ -46,6 +60,51 @@ CELL_PHRASES: tuple[str, ...] = (
     "at the bottom left", "at the bottom", "at the bottom right",
 )  # fmt: skip
 GRID = 3
+RENDERS: tuple[str, ...] = CHOICES["data.render"]  # ("jitter", "fixed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Jitter:
+    """Bounds of the "jitter" rendering's variation. Lengths are in cell widths (image_size / 3), colors in 0..255.
+
+    small, large: ranges of an object's half-extent r per size class (the fixed rendering's 0.24 and 0.42 lie in
+      them; a gap keeps the classes apart for every shape); margin: least distance between an object and its
+      cell's edge (objects of neighbouring cells never touch); rotation_deg: largest turn per shape (+-);
+      shade: largest per-channel offset of an object's or the background's color from its palette color (every
+      two palette colors are at least 81 apart, so a shade stays nearest its own); gradient: largest per-channel
+      change of the background from its center to an edge; texture: largest amplitude of the background's
+      smooth texture (a sum of a few low-frequency waves, the same in every channel); fixed_upto, full_from:
+      image sizes (px) up to which objects keep the fixed rendering's geometry (centered, two exact sizes, upright)
+      and shade, and from which they vary fully, linearly in between (`geometry_strength`): below about 32 px a
+      small object spans under five pixels, and its shape is legible only where it sits as the fixed rendering
+      puts it. The background varies fully at every size.
+    """
+
+    small: tuple[float, float] = (0.18, 0.25)
+    large: tuple[float, float] = (0.34, 0.42)
+    margin: float = 0.04
+    rotation_deg: Mapping[str, float] = dataclasses.field(
+        default_factory=lambda: MappingProxyType(
+            {"circle": 0.0, "square": 15.0, "diamond": 15.0, "triangle": 60.0, "cross": 15.0}
+        )
+    )
+    shade: float = 14.0
+    gradient: float = 14.0
+    texture: float = 5.0
+    fixed_upto: int = 16
+    full_from: int = 32
+
+
+JITTER = Jitter()
+
+
+def geometry_strength(image_size: int, jitter: Jitter = JITTER) -> float:
+    """Share in [0, 1] of the objects' variation (position, size, turn, shade) an image of `image_size` px gets."""
+    span = jitter.full_from - jitter.fixed_upto
+    return float(np.clip((image_size - jitter.fixed_upto) / span, 0.0, 1.0))
+
+
+_TEXTURE_WAVES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,19 +149,27 @@ class Scene:
         return cls(d["background"], objs)
 
 
-def sample_scene(rng: np.random.Generator, max_objects: int) -> Scene:
-    """Draws a scene: 1..max_objects objects in distinct cells, none with the background's color."""
-    n = int(rng.integers(1, max_objects + 1))
-    bg = int(rng.integers(len(COLOR_NAMES)))
+def sample_scene(
+    rng: np.random.Generator,
+    max_objects: int,
+    min_objects: int = 1,
+    shapes: tuple[str, ...] = SHAPES,
+    colors: tuple[str, ...] = COLOR_NAMES,
+) -> Scene:
+    """Draws a scene: min_objects..max_objects objects in distinct cells, shapes from `shapes`, the background and
+    object colors from `colors`, no object with the background's color. With the default shapes and colors the
+    draws are those of earlier versions (same scenes for the same generator)."""
+    n = int(rng.integers(min_objects, max_objects + 1))
+    bg = int(rng.integers(len(colors)))
     cells = rng.choice(GRID * GRID, size=n, replace=False)
     objects = []
     for cell in cells:
-        shape = SHAPES[int(rng.integers(len(SHAPES)))]
+        shape = shapes[int(rng.integers(len(shapes)))]
         size = SIZES[int(rng.integers(len(SIZES)))]
-        c = int(rng.integers(len(COLOR_NAMES) - 1))
-        color = COLOR_NAMES[c + (c >= bg)]  # skip the background color without rejection sampling
+        c = int(rng.integers(len(colors) - 1))
+        color = colors[c + (c >= bg)]  # skip the background color without rejection sampling
         objects.append(SceneObject(shape, color, size, int(cell)))
-    return Scene(COLOR_NAMES[bg], tuple(objects))
+    return Scene(colors[bg], tuple(objects))
 
 
 def caption_of(scene: Scene) -> str:
@@ -234,17 +301,184 @@ def render_scene(scene: Scene, image_size: int) -> np.ndarray:
     return img
 
 
+# ------------------------------------------------------------------------------------------ jittered rendering
+
+_TRI_C = 0.5625 / 3.5  # the triangle's circumcenter lies this far (times r) below its SDF origin: turn about it
+_CROSS_LONG, _CROSS_THIN = 0.92, 0.4
+_SQUARE_HALF = 0.82
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectStyle:
+    """How one object of a jittered scene is drawn: its center's offset (dy, dx) from its cell's center and its
+    half-extent r, in cell widths; its turn in degrees; its RGB shade in 0..255."""
+
+    dy: float
+    dx: float
+    r: float
+    angle: float
+    rgb: tuple[float, float, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class Style:
+    """How a jittered scene is drawn: the background's RGB shade, its linear gradient (per-channel change from the
+    image's center to its far edge along direction `gradient_dir`, radians), its texture waves (amplitude, cycles
+    per image along y and x, phase) and one ObjectStyle per object in caption order."""
+
+    rgb: tuple[float, float, float]
+    gradient: tuple[float, float, float]
+    gradient_dir: float
+    waves: tuple[tuple[float, float, float, float], ...]
+    objects: tuple[ObjectStyle, ...]
+
+
+def _outline(shape: str, r: float) -> np.ndarray:
+    """Corner points (u, v) of a polygonal shape of half-extent r around its turning center: float64 [k, 2]."""
+    if shape == "square":
+        h = _SQUARE_HALF * r
+        return np.array([(h, h), (h, -h), (-h, h), (-h, -h)])
+    if shape == "diamond":
+        return np.array([(r, 0.0), (-r, 0.0), (0.0, r), (0.0, -r)])
+    if shape == "triangle":
+        return np.array([(-r - _TRI_C * r, 0.0), (0.75 * r - _TRI_C * r, r), (0.75 * r - _TRI_C * r, -r)])
+    if shape == "cross":
+        a, b = _CROSS_LONG * r, _CROSS_THIN * r
+        return np.array([(a, b), (a, -b), (-a, b), (-a, -b), (b, a), (b, -a), (-b, a), (-b, -a)])
+    raise ValueError(f"unknown shape {shape!r}; known: {SHAPES}")
+
+
+def shape_extent(shape: str, r: float, angle: float) -> tuple[float, float]:
+    """Half-extents (along y, along x) of `shape` of half-extent r turned by `angle` degrees, in r's units."""
+    if shape == "circle":
+        return r, r
+    a = math.radians(angle)
+    u, v = _outline(shape, r).T
+    ys, xs = math.cos(a) * u - math.sin(a) * v, math.sin(a) * u + math.cos(a) * v
+    return float(np.abs(ys).max()), float(np.abs(xs).max())
+
+
+def shape_sdf(shape: str, u: np.ndarray, v: np.ndarray, r) -> np.ndarray:
+    """Signed distance (negative inside) to `shape` of half-extent r (scalar or array, broadcast) at object-frame
+    points (u down, v right) around its turning center: the jittered rendering's geometry, also the reader's."""
+    if shape == "circle":
+        return np.hypot(u, v) - r
+    if shape == "square":
+        return _box_sdf(u, v, _SQUARE_HALF * r, _SQUARE_HALF * r)
+    if shape == "diamond":
+        return (np.abs(u) + np.abs(v) - r) / math.sqrt(2.0)
+    if shape == "triangle":
+        y = u + _TRI_C * r  # back to the frame with the apex at -r and the base at 0.75 r
+        side = (np.abs(v) * 1.75 - (y + r)) / math.hypot(1.75, 1.0)
+        return np.maximum(side, y - 0.75 * r)
+    if shape == "cross":
+        long_, thin = _CROSS_LONG * r, _CROSS_THIN * r
+        return np.minimum(_box_sdf(u, v, long_, thin), _box_sdf(u, v, thin, long_))
+    raise ValueError(f"unknown shape {shape!r}; known: {SHAPES}")
+
+
+def shape_coverage(shape: str, dy: np.ndarray, dx: np.ndarray, r, angle) -> np.ndarray:
+    """Anti-aliased coverage in [0, 1] of `shape` (half-extent r, turned by `angle` degrees; both scalars or arrays
+    that broadcast) at pixel-center offsets (dy, dx) from its center, all in pixels."""
+    a = np.radians(angle)
+    c, s = np.cos(a), np.sin(a)
+    u, v = c * dy + s * dx, c * dx - s * dy
+    return np.clip(0.5 - shape_sdf(shape, u, v, r), 0.0, 1.0)
+
+
+def sample_style(rng: np.random.Generator, scene: Scene, jitter: Jitter = JITTER, strength: float = 1.0) -> Style:
+    """Draws how `scene` is drawn (see Jitter for the bounds): background, then each object in caption order.
+    strength in [0, 1] scales the objects' variation (`geometry_strength`): each object's position, size, turn
+    and shade lie that share of the way from the fixed rendering's to the drawn ones (the draws themselves do not
+    depend on it). A 16 px object of a few pixels shows its shape only through its exact coverage, which a
+    different position or a darker shade would change as much as a different shape."""
+    shade = lambda name, k=1.0: tuple(  # noqa: E731
+        np.clip(np.add(COLORS[name], k * rng.uniform(-jitter.shade, jitter.shade, 3)), 0, 255)
+    )
+    bg = shade(scene.background)
+    gradient = tuple(rng.uniform(-jitter.gradient, jitter.gradient, 3))
+    gradient_dir = float(rng.uniform(0.0, 2.0 * math.pi))
+    amplitude = rng.uniform(0.0, jitter.texture) / _TEXTURE_WAVES
+    waves = tuple(
+        (float(amplitude), *map(float, rng.uniform(-3.0, 3.0, 2)), float(rng.uniform(0.0, 2.0 * math.pi)))
+        for _ in range(_TEXTURE_WAVES)
+    )
+    g = float(strength)
+    objects = []
+    for o in scene.objects:
+        r = float(rng.uniform(*(jitter.small if o.size == "small" else jitter.large)))
+        turn = jitter.rotation_deg[o.shape]
+        angle = float(rng.uniform(-turn, turn)) if turn else 0.0
+        ey, ex = shape_extent(o.shape, r, angle)
+        fit = (0.5 - jitter.margin) / max(ey, ex, 1e-9)
+        if fit < 1.0:  # a large triangle turned corner-up: shrink it into its cell (it stays in its class)
+            r, ey, ex = r * fit, ey * fit, ex * fit
+        room_y, room_x = max(0.0, 0.5 - jitter.margin - ey), max(0.0, 0.5 - jitter.margin - ex)
+        dy, dx = float(rng.uniform(-room_y, room_y)), float(rng.uniform(-room_x, room_x))
+        # The fixed rendering: centered, r = SIZE_EXTENT, upright; a triangle turns about its circumcenter,
+        # which sits _TRI_C r below the point the fixed rendering centers.
+        r0 = SIZE_EXTENT[o.size]
+        dy0 = _TRI_C * r0 if o.shape == "triangle" else 0.0
+        geometry = (dy0 + g * (dy - dy0), g * dx, r0 + g * (r - r0), g * angle)
+        objects.append(ObjectStyle(*geometry, shade(o.color, g)))
+    return Style(bg, gradient, gradient_dir, waves, tuple(objects))
+
+
+def render_background(style: Style, image_size: int) -> np.ndarray:
+    """The background of a jittered scene: float32 [S, S, 3] in 0..255 (shade + gradient + texture)."""
+    t = (np.arange(image_size, dtype=np.float64) + 0.5) / image_size  # pixel centers in [0, 1)
+    y, x = t[:, None], t[None, :]
+    c, s = math.cos(style.gradient_dir), math.sin(style.gradient_dir)
+    along = ((y - 0.5) * c + (x - 0.5) * s) / (0.5 * (abs(c) + abs(s)))  # -1 .. 1 across the image
+    tex = sum(a * np.sin(2.0 * math.pi * (fy * y + fx * x) + ph) for a, fy, fx, ph in style.waves)
+    bg = np.asarray(style.rgb) + along[..., None] * np.asarray(style.gradient) + np.asarray(tex)[..., None]
+    return bg.astype(np.float32)
+
+
+def render_jittered(scene: Scene, style: Style, image_size: int) -> np.ndarray:
+    """Draws `scene` the way `style` says, anti-aliased; returns uint8 [image_size, image_size, 3]."""
+    img = render_background(style, image_size)
+    cw = image_size / GRID
+    for o, st in zip(scene.objects, style.objects, strict=True):
+        cy, cx = (o.row + 0.5 + st.dy) * cw, (o.col + 0.5 + st.dx) * cw
+        r = st.r * cw
+        reach = 1.2 * r + 1.0  # every shape lies within 1.17 r of its turning center
+        y0, y1 = max(0, math.floor(cy - reach)), min(image_size, math.ceil(cy + reach))
+        x0, x1 = max(0, math.floor(cx - reach)), min(image_size, math.ceil(cx + reach))
+        dy = (np.arange(y0, y1, dtype=np.float32) + 0.5 - cy)[:, None]
+        dx = (np.arange(x0, x1, dtype=np.float32) + 0.5 - cx)[None, :]
+        cov = shape_coverage(o.shape, dy, dx, r, st.angle).astype(np.float32)
+        patch = img[y0:y1, x0:x1]
+        patch += cov[..., None] * (np.asarray(st.rgb, np.float32) - patch)
+    return np.rint(np.clip(img, 0.0, 255.0)).astype(np.uint8)
+
+
 class SyntheticShapes:
     """Random-access captioned shapes. `ds[i]` -> dict(image=uint8 [S,S,3], caption=str, description=Scene).
 
     Args:
-      image_size: side S of the square images in pixels (any size from 9 up; 32 to 512 are the tested ones).
+      image_size: side S of the square images in pixels (any size from 9 up; 16 to 512 are the tested ones).
       num_samples: length of the index space.
       seed: content seed; sample i depends only on (seed, i).
-      max_objects: at most this many objects per image (1..9).
+      max_objects, min_objects: each image has between min_objects and max_objects objects (1..9).
+      shapes, colors: the shapes and the palette (background and object colors, at least 2) scenes draw from;
+        () = all of SHAPES / COLOR_NAMES (the same scenes as earlier versions).
+      render: "jitter" (a distribution of images per caption) or "fixed" (one image per caption); see the module
+        docstring. The captions do not depend on it.
     """
 
-    def __init__(self, image_size: int = 32, num_samples: int = 1_000_000, seed: int = 0, max_objects: int = 3):
+    def __init__(
+        self,
+        image_size: int = 32,
+        num_samples: int = 1_000_000,
+        seed: int = 0,
+        max_objects: int = 3,
+        *,
+        min_objects: int = 1,
+        shapes: tuple[str, ...] = (),
+        colors: tuple[str, ...] = (),
+        render: str = "jitter",
+    ):
         if image_size < 9:
             raise ValueError(f"data.image_size={image_size}: need at least 9 pixels (3 per grid cell)")
         if num_samples < 1:
@@ -253,10 +487,21 @@ class SyntheticShapes:
             raise ValueError(f"data.seed={seed}: must be >= 0")
         if not 1 <= max_objects <= GRID * GRID:
             raise ValueError(f"data.max_objects={max_objects}: must be in [1, {GRID * GRID}]")
+        if not 1 <= min_objects <= max_objects:
+            raise ValueError(f"data.min_objects={min_objects}: must be in [1, data.max_objects={max_objects}]")
+        shapes, colors = tuple(shapes) or SHAPES, tuple(colors) or COLOR_NAMES
+        if not set(shapes) <= set(SHAPES) or len(set(shapes)) != len(shapes):
+            raise ValueError(f"data.shapes={shapes}: distinct names from {SHAPES}")
+        if not set(colors) <= set(COLOR_NAMES) or len(set(colors)) != len(colors) or len(colors) < 2:
+            raise ValueError(f"data.colors={colors}: at least 2 distinct names from {COLOR_NAMES}")
+        if render not in RENDERS:
+            raise ValueError(f"data.render={render!r}: choose one of {RENDERS}")
         self.image_size = int(image_size)
         self.num_samples = int(num_samples)
         self.seed = int(seed)
-        self.max_objects = int(max_objects)
+        self.max_objects, self.min_objects = int(max_objects), int(min_objects)
+        self.shapes, self.colors, self.render = shapes, colors, render
+        self.strength = geometry_strength(self.image_size)
 
     def __len__(self) -> int:
         return self.num_samples
@@ -267,19 +512,47 @@ class SyntheticShapes:
             raise IndexError(f"index {i} out of range [0, {self.num_samples})")
         return i
 
+    def _draw(self, index: int) -> tuple[Scene, np.random.Generator]:
+        rng = np.random.default_rng([self.seed, self._check_index(index)])
+        return sample_scene(rng, self.max_objects, self.min_objects, self.shapes, self.colors), rng
+
     def scene(self, index: int) -> Scene:
         """The Scene of sample `index` (cheap: no rendering)."""
-        rng = np.random.default_rng([self.seed, self._check_index(index)])
-        return sample_scene(rng, self.max_objects)
+        return self._draw(index)[0]
 
     def caption(self, index: int) -> str:
         """The caption of sample `index` (cheap: no rendering)."""
         return caption_of(self.scene(index))
 
-    def __getitem__(self, index: int) -> dict:
+    def style(self, index: int, variant: int = 0) -> Style | None:
+        """How sample `index` is drawn (None for the fixed rendering); variant > 0: another draw for its caption."""
+        if self.render == "fixed":
+            return None
+        scene, rng = self._draw(index)
+        if variant:
+            rng = np.random.default_rng([self.seed, int(index), int(variant)])
+        return sample_style(rng, scene, strength=self.strength)
+
+    def draw(self, scene: Scene, style_key: tuple[int, ...]) -> np.ndarray:
+        """Any `scene` (e.g. one a test or a control changed) in this dataset's rendering, its variation drawn from
+        `np.random.default_rng(style_key)`: uint8 [S, S, 3]."""
+        if self.render == "fixed":
+            return render_scene(scene, self.image_size)
+        style = sample_style(np.random.default_rng(style_key), scene, strength=self.strength)
+        return render_jittered(scene, style, self.image_size)
+
+    def image(self, index: int, variant: int = 0) -> np.ndarray:
+        """The image of sample `index`; variant > 0 draws another image of the same caption (the fixed rendering
+        has one). uint8 [S, S, 3]."""
         scene = self.scene(index)
-        return {
-            "image": render_scene(scene, self.image_size),
-            "caption": caption_of(scene),
-            "description": scene,
-        }
+        if self.render == "fixed":
+            return render_scene(scene, self.image_size)
+        return render_jittered(scene, self.style(index, variant), self.image_size)
+
+    def __getitem__(self, index: int) -> dict:
+        scene, rng = self._draw(index)
+        if self.render == "fixed":
+            image = render_scene(scene, self.image_size)
+        else:
+            image = render_jittered(scene, sample_style(rng, scene, strength=self.strength), self.image_size)
+        return {"image": image, "caption": caption_of(scene), "description": scene}
