@@ -1,13 +1,16 @@
 """A stand-in for scripts/train.py in the elastic tests: its command line and worker protocol, a tiny job.
 
     python tests/elastic_fake_worker.py --config C --workdir W [--config.train.steps=40
-        --config.train.ckpt_every=5 --fake.step_time=0.1 --fake.hang=local2:1:12]
+        --config.train.ckpt_every=5 --fake.step_time=0.1 --fake.hang=local2:1:12 --fake.rogue=HOST]
 
 Every step all-reduces (psum over every device of every process, gloo on CPU) a value that updates a scalar
 state, so a missing process blocks the others as a real data-parallel step would. Process 0 writes the state
 atomically to fake_ckpt.json every ckpt_every steps, and each step's value to metrics.jsonl; a start resumes
 from the checkpoint. `--fake.hang=HOST:ATTEMPT:N` makes that host's main thread hang after N steps of that
-attempt (its heartbeat thread goes on). A stop request is agreed through the same all-reduce, then saved, exit 0.
+attempt (its heartbeat thread goes on). `--fake.rogue=HOST` makes that host's worker also append a line
+{"rogue": HOST, "attempt": A, "time": t} to metrics.jsonl every 0.2 s from a thread of its own, whatever the
+all-reduce does: a worker cut off from the others that still writes (the split-brain case fencing must stop).
+A stop request is agreed through the same all-reduce, then saved, exit 0.
 """
 
 import json
@@ -22,7 +25,7 @@ from reve_jax.elastic.worker import init_from_env  # noqa: E402
 
 
 def parse(argv: list[str]) -> dict:
-    opts = {"workdir": "", "steps": 40, "ckpt_every": 5, "step_time": 0.1, "hang": ""}
+    opts = {"workdir": "", "steps": 40, "ckpt_every": 5, "step_time": 0.1, "hang": "", "rogue": ""}
     it = iter(argv)
     for a in it:
         if a == "--workdir":
@@ -46,6 +49,18 @@ def save(path: str, step: int, w: float) -> None:
 
 def hang_forever() -> None:
     threading.Event().wait()
+
+
+def append(path: str, record: dict) -> None:
+    # Opened for every line, as the trainer's metrics writer does: each write passes the fence (fence.py).
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def rogue_writer(path: str, host: str, attempt: int) -> None:
+    while True:
+        append(path, {"rogue": host, "attempt": attempt, "time": time.time()})
+        time.sleep(0.2)
 
 
 def main() -> int:
@@ -76,7 +91,9 @@ def main() -> int:
     hang_host, hang_attempt, hang_after = (opts["hang"].split(":") + ["", "", ""])[:3]
     first_step = step
     is_main = ctx.process_id == 0
-    metrics = open(os.path.join(opts["workdir"], "metrics.jsonl"), "a") if is_main else None  # noqa: SIM115
+    metrics = os.path.join(opts["workdir"], "metrics.jsonl")
+    if ctx.host == opts["rogue"]:
+        threading.Thread(target=rogue_writer, args=(metrics, ctx.host, ctx.attempt), daemon=True).start()
     while step < opts["steps"]:
         if ctx.host == hang_host and str(ctx.attempt) == hang_attempt and str(step - first_step) == hang_after:
             hang_forever()
@@ -88,8 +105,7 @@ def main() -> int:
         w = 0.9 * w + 0.1 * (step % 7) * n_dev / jax.device_count()  # independent of the device count
         step += 1
         if is_main:
-            metrics.write(json.dumps({"step": step, "loss": w}) + "\n")
-            metrics.flush()
+            append(metrics, {"step": step, "loss": w, "attempt": ctx.attempt, "time": time.time()})
         ctx.beat(step, "train")
         if is_main and (step % opts["ckpt_every"] == 0 or stop or step == opts["steps"]):
             save(ckpt, step, w)

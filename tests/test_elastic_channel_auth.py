@@ -57,7 +57,7 @@ def test_forged_unsigned_and_replayed_beats_are_dropped_and_counted(server):
     assert send_raw(server.port, wrong_key) == b""
     good = auth.sign(server.secret, dict(forged, sid="s", n=1))
     reply = auth.verify(server.secret, send_raw(server.port, good))
-    assert reply == {"sid": "s", "n": 1, "stop": False}
+    assert reply == {"sid": "s", "n": 1, "stop": False, "fenced": False}
     assert send_raw(server.port, good) == b""  # the same line again: a replay
     unsigned_counter = auth.sign(server.secret, {"host": "a"})  # signed but without sid/n
     assert send_raw(server.port, unsigned_counter) == b""

@@ -109,12 +109,14 @@ def last_metric_step(workdir: str) -> int:
     path = os.path.join(workdir, "metrics.jsonl")
     if not os.path.exists(path):
         return -1
+    steps = [-1]
     with open(path) as f:
-        lines = [line for line in f if line.strip()]
-    try:
-        return int(json.loads(lines[-1])["step"]) if lines else -1
-    except ValueError:
-        return -1
+        for line in f:
+            try:
+                steps.append(int(json.loads(line)["step"]))
+            except (ValueError, KeyError):  # a torn line, or a line of the fake worker's rogue writer
+                continue
+    return steps[-1]
 
 
 def metrics_by_step(workdir: str) -> dict[int, dict]:
@@ -124,7 +126,8 @@ def metrics_by_step(workdir: str) -> dict[int, dict]:
         for line in f:
             if line.strip():
                 rec = json.loads(line)
-                out[int(rec["step"])] = rec
+                if "step" in rec:
+                    out[int(rec["step"])] = rec
     return out
 
 

@@ -20,7 +20,7 @@ from reve_jax.elastic import auth
 
 PROBE_MODULE = "reve_jax.elastic.probe"
 # The checkout this package runs from: local workers import reve_jax from here whatever their cwd.
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def free_port() -> int:
@@ -62,7 +62,7 @@ class Proc:
             os.killpg(self.popen.pid, signal.SIGKILL)
 
 
-def _spawn(
+def spawn(
     argv: list[str], env: dict, log_path: str, cwd: str | None, remote_kill=None, stdin_line: str | None = None
 ) -> Proc:
     """Starts `argv`; `stdin_line` (the run's secret for a remote worker) is written to its standard input,
@@ -129,7 +129,7 @@ class LocalBackend:
     def host_env(self, host: str) -> dict:
         """Returns the variables that give `host` its own devices."""
         i = self.hosts.index(host)
-        env = {"PYTHONPATH": os.pathsep.join(p for p in (_REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)}
+        env = {"PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH", "")) if p)}
         if self.marker_dir:
             env["REVE_PROBE_FAIL_MARKER"] = os.path.join(self.marker_dir, host)
         if self.gpus_per_host:
@@ -152,7 +152,7 @@ class LocalBackend:
 
     def start(self, host: str, argv: list[str], env: dict, log_path: str) -> Proc:
         argv = [self.python if a == "python" else a for a in argv]
-        return _spawn(argv, {**os.environ, **env, **self.host_env(host)}, log_path, self.cwd)
+        return spawn(argv, {**os.environ, **env, **self.host_env(host)}, log_path, self.cwd)
 
     def probe(self, host: str, env: dict, log_path: str) -> Proc:
         return self.start(host, ["python", "-m", PROBE_MODULE], env, log_path)
@@ -219,7 +219,7 @@ class SSHBackend:
         pidfile = f"/tmp/reve-{uuid.uuid4().hex[:12]}.pid"
         line = self.remote_command(argv, env, pidfile, read_secret=secret is not None)
         kill = self.ssh + [host, f"kill -9 -- -$(cat {shlex.quote(pidfile)}) ; rm -f {shlex.quote(pidfile)}"]
-        return _spawn(self.ssh + [host, line], dict(os.environ), log_path, None, kill, stdin_line=secret)
+        return spawn(self.ssh + [host, line], dict(os.environ), log_path, None, kill, stdin_line=secret)
 
     def probe(self, host: str, env: dict, log_path: str) -> Proc:
         return self.start(host, ["python", "-m", PROBE_MODULE], env, log_path)
@@ -286,7 +286,7 @@ class SlurmBackend:
             f"awk '$2==\"{name}\" {{print $1}}' | xargs -r scancel --signal=KILL",
         ]
         srun = self.srun_command(host, argv, name, read_secret=secret is not None)
-        return _spawn(srun, {**os.environ, **env}, log_path, None, kill, stdin_line=secret)
+        return spawn(srun, {**os.environ, **env}, log_path, None, kill, stdin_line=secret)
 
     def probe(self, host: str, env: dict, log_path: str) -> Proc:
         return self.start(host, ["python", "-m", PROBE_MODULE], env, log_path)

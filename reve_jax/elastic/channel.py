@@ -25,7 +25,7 @@ import time
 from reve_jax.elastic import auth
 
 # Phases a worker reports before its state is restored (see policy.PRE_RESTORE_PHASES).
-_PRE_RESTORE = ("starting", "restoring")
+_PRE_RESTORE = ("warming", "standby", "starting", "joining", "restoring")
 
 
 class _Handler(socketserver.StreamRequestHandler):
@@ -89,6 +89,8 @@ class HeartbeatServer:
         self._clock = clock
         self._beats: queue.SimpleQueue = queue.SimpleQueue()
         self._stop_attempts: set[int] = set()
+        self._fence = -1  # groups numbered below this one are fenced off
+        self._assignments: dict[str, dict] = {}  # standby token -> the variables of its place in a group
         self._lock = threading.Lock()
         self._last_n: dict[str, int] = {}  # client session -> last counter accepted
         self._rejected: collections.Counter = collections.Counter()
@@ -116,7 +118,13 @@ class HeartbeatServer:
                 raise auth.Rejected("replay")
             self._last_n[sid] = n
         self._beats.put((self._clock(), msg))
-        return {"sid": sid, "n": n, "stop": msg.get("attempt") in self._stop_attempts}
+        attempt = msg.get("attempt")
+        fenced = isinstance(attempt, int) and 0 <= attempt < self._fence
+        reply = {"sid": sid, "n": n, "stop": attempt in self._stop_attempts, "fenced": fenced}
+        assignment = self._assignments.get(msg.get("standby"))
+        if assignment is not None:
+            reply["assign"] = assignment
+        return reply
 
     def _reject(self, reason: str, peer: str) -> None:
         with self._lock:
@@ -155,6 +163,14 @@ class HeartbeatServer:
         """From now on, replies to the workers of group `attempt` ask them to stop at the next checkpoint."""
         self._stop_attempts.add(attempt)
 
+    def assign(self, token: str, variables: dict) -> None:
+        """The standby `token` gets `variables` (its place in a group) in the reply to its next beat."""
+        self._assignments[token] = dict(variables)
+
+    def fence(self, attempt: int) -> None:
+        """From now on, replies to workers of groups numbered below `attempt` tell them they are fenced off."""
+        self._fence = max(self._fence, attempt)
+
     def drain(self) -> list[tuple[float, dict]]:
         """Returns the beats received since the last call, as (arrival time, message) in arrival order."""
         out = []
@@ -187,6 +203,7 @@ class HeartbeatClient:
     loop never waits on the network. A phase change is sent at once. `orphan_timeout` > 0 makes the process
     exit (code 3) once the supervisor has been unreachable that long, so workers on remote hosts do not
     outlive a dead supervisor. A reply that fails its MAC or echoes another counter counts as no reply.
+    `on_fenced` is called (from the beat thread) when a reply says this group was fenced off (fence.py).
     """
 
     def __init__(
@@ -196,8 +213,10 @@ class HeartbeatClient:
         secret: bytes,
         interval: float = 0.5,
         orphan_timeout: float = 0.0,
+        on_fenced=None,
     ):
         host, port = address.rsplit(":", 1)
+        self._on_fenced = on_fenced
         self._addr = (host, int(port))
         self._identity = dict(identity)
         self._secret = secret
@@ -212,6 +231,8 @@ class HeartbeatClient:
         self._closing = threading.Event()
         self.stop_event = threading.Event()  # set once the supervisor asked this group to stop
         self.last_reply: dict = {}
+        self._assigned = threading.Event()  # a standby's place in a group arrived (standby.py)
+        self._assignment: dict = {}
         self._sock: socket.socket | None = None
         self._reader = None
         self._last_ok = time.monotonic()
@@ -233,6 +254,19 @@ class HeartbeatClient:
                 self._start_step = int(step)
         if changed:
             self._wake.set()
+
+    def note(self, wake: bool = False, **extra) -> None:
+        """Adds fields to every following beat (e.g. compile seconds so far) without changing step or phase;
+        `wake` sends them at once."""
+        with self._lock:
+            self._extra.update(extra)
+        if wake:
+            self._wake.set()
+
+    def wait_assignment(self) -> dict:
+        """Blocks until a reply carries an assignment (a standby's place in a group); returns it."""
+        self._assigned.wait()
+        return self._assignment
 
     def close(self, flush: bool = True) -> None:
         """Stops the thread; with `flush`, sends the latest state once more (bounded by a short timeout)."""
@@ -277,6 +311,11 @@ class HeartbeatClient:
                 self.last_reply = reply
                 if reply.get("stop"):
                     self.stop_event.set()
+                if reply.get("fenced") and self._on_fenced is not None:
+                    self._on_fenced()
+                if isinstance(reply.get("assign"), dict) and not self._assigned.is_set():
+                    self._assignment = reply["assign"]
+                    self._assigned.set()
                 self._last_ok = time.monotonic()
                 return True
             except (OSError, ValueError):

@@ -69,6 +69,11 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         action="store_true",
         help="do not compile the train step ahead for the next group sizes (done on this machine for CPU hosts)",
     )
+    p.add_argument(
+        "--no-standby",
+        action="store_true",
+        help="no warm standby processes (imported, waiting) on the hosts for the next relaunch",
+    )
     p.add_argument("--quiet", action="store_true")
     args, rest = p.parse_known_args(argv)
     unknown = [a for a in rest if not a.startswith("--config.")]
@@ -102,9 +107,13 @@ def group_sizes(spec: str, num_hosts: int, devices_per_host: int, hints: dict) -
     return tuple(n for n in range(1, num_hosts + 1) if batch % (n * devices_per_host) == 0)
 
 
+def is_trainer(args) -> bool:
+    return os.path.abspath(args.script) == os.path.abspath(os.path.join(backends.REPO_ROOT, "scripts", "train.py"))
+
+
 def precompile_argv(args, overrides: list[str]) -> list[str]:
     """The compile-ahead job's command line, for the trainer only (another worker script has its own step)."""
-    if os.path.abspath(args.script) != os.path.abspath(os.path.join(backends.REPO_ROOT, "scripts", "train.py")):
+    if not is_trainer(args):
         return []
     return ["python", "-m", "reve_jax.elastic.precompile", "--config", args.config, *overrides]
 
@@ -177,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         init_timeout=min(args.startup_timeout, 120.0),
         precompile_argv=[] if args.no_precompile else precompile_argv(args, overrides),
+        standby_imports="" if args.no_standby else ("reve_jax.trainer" if is_trainer(args) else "jax"),
         devices_per_host=0 if args.gpus_per_host else (args.devices_per_host or (2 if local else 0)),
         # Workers of a supervisor that died (SIGKILL, lost node) stop by themselves instead of running on.
         orphan_timeout=max(60.0, 4 * args.heartbeat_timeout),

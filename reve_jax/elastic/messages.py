@@ -20,6 +20,8 @@ class Beat:
     phase: str = "train"
     start_step: int | None = None  # the step the worker's state started from (the restored step), once known
     where: str = ""  # the main thread's file:line:function, to tell a hung host from ones waiting on it
+    joined: bool = False  # the process has joined the JAX process group
+    compile_s: float = 0.0  # seconds spent tracing, lowering and compiling (or loading compiled) programs so far
 
 
 @dataclasses.dataclass(frozen=True)

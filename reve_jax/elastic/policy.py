@@ -33,8 +33,10 @@ from reve_jax.elastic.messages import (  # noqa: F401  (re-exported: the policy'
 )
 
 HEALTHY, QUARANTINED, EXCLUDED = "healthy", "quarantined", "excluded"
+LOST_REASONS = ("heartbeat lost", "no heartbeat after launch")  # unreachable: a kill may not reach the process
+EXIT_FENCED = -1000  # a lost member's stand-in exit code: not waited for, fenced off instead
 # Phases a worker reports before its state is restored: it has no meaningful step yet.
-PRE_RESTORE_PHASES = ("starting", "restoring")
+PRE_RESTORE_PHASES = ("warming", "standby", "starting", "joining", "restoring")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +66,9 @@ class PolicyConfig:
     host_mtbf_s: float = 0.0
     host_mtbf_weight: float = 1.0
     relaunch_estimate_s: float = 300.0
+    # The supervisor fences a killed group off the run directory (fence.py), so a host lost by heartbeat (cut
+    # off, frozen) need not be reported gone before the next group starts: the kill may never reach it.
+    fenced: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------- state
@@ -90,6 +95,9 @@ class Member:
     start_step: int | None = None
     where: str = ""
     trained: bool = False  # finished a step beyond its start step
+    joined_t: float | None = None  # first beat after joining the JAX process group
+    compile_s: float = 0.0  # the worker's compile seconds so far (cumulative, from its beats)
+    compile_at_restore: float | None = None  # ... when it reported its restored step
     exit_code: int | None = None
     exit_t: float | None = None
 
@@ -124,6 +132,7 @@ class Recovery:
     down_t: float | None = None  # the old group is gone (killed, or stopped cleanly)
     launch_t: float | None = None
     connected_t: float | None = None
+    joined_t: float | None = None
     restored_t: float | None = None
     restored_step: int | None = None
     relaunches: int = 0
@@ -183,6 +192,17 @@ class Policy:
         w = c.host_mtbf_weight
         return (w * c.host_mtbf_s + self.exposure_s) / (w + self.group_failures)
 
+    def likely_sizes(self) -> list[int]:
+        """Group sizes the next launches will probably have, most likely first: the size after one more host
+        fails, and the size once every quarantined host is back. Empty while no group runs."""
+        g = self.group
+        if g is None:
+            return []
+        n = len(g.hosts)
+        not_excluded = sum(hs.status != EXCLUDED for hs in self.hosts.values())
+        out = [self._size_for(n - 1), self._size_for(not_excluded)]
+        return [s for i, s in enumerate(out) if s and s != n and s not in out[:i]]
+
     def usable(self) -> list[str]:
         """Hosts that may join the next launch (healthy, or quarantined and probed ok), in host order."""
         return [h for h in self.order if self.hosts[h].status == HEALTHY or self.hosts[h].ready]
@@ -207,7 +227,12 @@ class Policy:
         if ev.step != m.step or ev.phase != m.phase:
             m.progress_t = ev.t
         m.step, m.phase, m.where = ev.step, ev.phase, ev.where
+        m.compile_s = max(m.compile_s, ev.compile_s)
+        if ev.joined and m.joined_t is None:
+            m.joined_t = ev.t
         if ev.start_step is not None:
+            if m.start_step is None:
+                m.compile_at_restore = m.compile_s
             m.start_step = ev.start_step
         if ev.phase == "train" and m.start_step is not None and ev.step > m.start_step:
             m.trained = True
@@ -365,6 +390,12 @@ class Policy:
             self.best_step, self.failures_without_progress = g.max_step, 0
         else:  # this group got no further than an earlier one: a crash that repeats
             self.failures_without_progress += 1
+        if self.config.fenced and reason in LOST_REASONS:
+            for h in hosts:
+                m = g.members[h]
+                if m.exit_code is None:
+                    m.exit_code, m.exit_t = EXIT_FENCED, t
+                    out.append(Record("fenced_off", {"attempt": g.attempt, "host": h}))
         if self.recovery is None:
             self.recovery = Recovery("failure", tuple(hosts), fault_t, t, g.max_step)
         else:  # failed again before the recovery finished: one longer recovery
@@ -426,6 +457,7 @@ class Policy:
         if self.recovery is not None:  # timed from this launch on, also if an earlier one failed
             r = self.recovery
             r.attempt, r.launch_t, r.connected_t, r.restored_t, r.restored_step = attempt, t, None, None, None
+            r.joined_t = None
         out.append(Record("launch", {"attempt": attempt, "hosts": list(hosts)}))
         out.append(Launch(attempt, hosts))
         return out
@@ -496,10 +528,16 @@ class Policy:
         ms = list(g.members.values())
         if r.connected_t is None and all(m.first_beat_t is not None for m in ms):
             r.connected_t = t
+        if r.joined_t is None and all(m.joined_t is not None or m.start_step is not None for m in ms):
+            r.joined_t = t
         if r.restored_t is None and all(m.start_step is not None for m in ms):
             r.restored_t, r.restored_step = t, min(m.start_step for m in ms)
         if r.restored_t is None or r.connected_t is None or not all(m.trained for m in ms):
             return
+        joined_t = r.joined_t if r.joined_t is not None else r.connected_t
+        down_t = r.down_t if r.down_t is not None else r.detect_t
+        # Seconds each worker spent compiling (or loading executables) after its restore; the slowest counts.
+        compile_s = max(m.compile_s - (m.compile_at_restore or 0.0) for m in ms)
         out.append(
             Record(
                 "recovery",
@@ -514,6 +552,17 @@ class Policy:
                     "stop_s": round(r.down_t - r.detect_t, 3),
                     "restore_s": round(r.restored_t - r.connected_t, 3),
                     "first_step_s": round(t - r.restored_t, 3),
+                    # The same time, split finer (they add up to total_s): fault -> decision -> old group gone ->
+                    # every new process beats -> every one joined JAX -> restored -> compiled -> a step done.
+                    "split": {
+                        "detect": round(r.detect_t - r.fault_t, 3),
+                        "kill": round(down_t - r.detect_t, 3),
+                        "spawn": round(r.connected_t - down_t, 3),
+                        "join": round(joined_t - r.connected_t, 3),
+                        "restore": round(r.restored_t - joined_t, 3),
+                        "compile": round(min(compile_s, t - r.restored_t), 3),
+                        "first_step": round(max(0.0, t - r.restored_t - compile_s), 3),
+                    },
                     "total_s": round(t - r.fault_t, 3),
                     "last_step": r.last_step,
                     "restored_step": r.restored_step,

@@ -9,15 +9,19 @@ at the next checkpoint (through the heartbeat replies), probe a host, write an e
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import os
 import signal
 import time
 
-from reve_jax.elastic import auth
+from reve_jax.elastic import auth, fence
 from reve_jax.elastic import policy as P
 from reve_jax.elastic.channel import HeartbeatServer
 from reve_jax.elastic.events import EventLog, read_events, summary
+from reve_jax.elastic.precompile import AheadCompiler
+from reve_jax.elastic.standby import StandbyPool
 
 EXIT_FINISHED, EXIT_FAILED, EXIT_STOPPED = 0, 1, 2
 
@@ -32,6 +36,12 @@ class WorkerSettings:
     init_timeout: float = 120.0  # jax.distributed.initialize waits this long for every process
     orphan_timeout: float = 0.0  # workers exit when the supervisor is unreachable this long (0: never)
     probe_timeout: float = 120.0  # a probe running longer fails
+    # Compiling ahead for the next group sizes (precompile.py): the job's argv and the CPU devices per host; off
+    # when empty (GPU hosts, or a worker that is not the trainer).
+    precompile_argv: list[str] = dataclasses.field(default_factory=list)
+    devices_per_host: int = 0
+    # Warm standbys (standby.py): modules a standby imports before it is given a place; "" = no standbys.
+    standby_imports: str = ""
 
 
 class Supervisor:
@@ -60,6 +70,8 @@ class Supervisor:
         events_path = os.path.join(workdir, "events.jsonl")
         # A launch that resumes a run continues its attempt numbers, so logs and events stay apart.
         self.policy.next_attempt = _next_attempt(events_path)
+        self.fenced_below = fence.read_fence(workdir)
+        self._lock = _lock_workdir(workdir)
         self.log = EventLog(events_path, clock)
         # Listen only where the workers reach us; a fresh secret per run proves a beat comes from one of them.
         self.server = HeartbeatServer(
@@ -69,6 +81,14 @@ class Supervisor:
         self.probes: dict[str, tuple[object, float]] = {}  # host -> (Proc, start time)
         self.probe_count = 0
         self._signals = 0
+        log_dir = os.path.join(workdir, "logs")
+        self.ahead = None
+        if worker.precompile_argv and worker.devices_per_host:
+            self.ahead = AheadCompiler(worker.precompile_argv, worker.env, worker.devices_per_host, log_dir)
+        self.standbys = None
+        if worker.standby_imports:
+            env = {**self._static_env(), "REVE_STANDBY_IMPORTS": worker.standby_imports}
+            self.standbys = StandbyPool(backend.start, list(worker.argv), env, log_dir, clock)
 
     # ------------------------------------------------------------------------------------------------- loop
     def run(self) -> int:
@@ -90,6 +110,10 @@ class Supervisor:
             while self.policy.done is None:
                 events: list[P.Event] = []
                 for t, msg in self.server.drain():
+                    if "standby" in msg:  # a standby waiting for a place: not a member of any group
+                        if self.standbys is not None:
+                            self.standbys.beat(t, msg)
+                        continue
                     beat = _beat_from(t, msg)
                     if beat is not None:
                         events.append(beat)
@@ -106,6 +130,7 @@ class Supervisor:
                 events.append(P.Tick(now))
                 for ev in events:
                     self._execute(self.policy.step(ev))
+                self._prepare_next(now)
                 if now >= next_rejection_check:  # at most one record a second, however many are dropped
                     next_rejection_check = now + 1.0
                     self._record_rejections()
@@ -113,13 +138,34 @@ class Supervisor:
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+            if self.ahead is not None:
+                self.ahead.close()
             self._kill_everything()
             self._record_rejections()
             self.server.close()
         done = self.policy.done
         print(summary(self.log.records), flush=True)
         self.log.close()
+        self._lock.close()
         return {"finished": EXIT_FINISHED, "preempted": EXIT_STOPPED}.get(done.status, EXIT_FAILED)
+
+    def _prepare_next(self, now: float) -> None:
+        """Once the group trains (its own start-up done, so nothing here slows it), get the next relaunch ready:
+        a warm standby on every host that may join it, and the step compiled for the sizes it will likely have."""
+        g = self.policy.group
+        training = g is not None and g.mode == "running" and all(m.trained for m in g.members.values())
+        if self.standbys is not None:
+            self.standbys.poll()
+            if training:
+                self.standbys.ensure(self.policy.usable())
+        if self.ahead is None:
+            return
+        if training:
+            self.ahead.done.add(len(g.hosts))  # this group's executables are in the cache now
+            self.ahead.want(self.policy.likely_sizes())
+        for rec in self.ahead.poll(now):
+            self.log.write("precompile", rec)
+            self._say(f"supervisor: compiled ahead for {rec['hosts']} hosts in {rec['seconds']} s (code {rec['code']})")
 
     def _record_rejections(self) -> None:
         rejected = self.server.take_rejections()
@@ -137,6 +183,7 @@ class Supervisor:
                 self._launch(a)
             elif isinstance(a, P.Kill):
                 self._say(f"supervisor: killing group {a.attempt}: {a.reason}")
+                self._fence(a.attempt + 1)  # first: a process the kill cannot reach must not write meanwhile
                 for (attempt, _), proc in self.procs.items():
                     if attempt == a.attempt:
                         proc.kill()
@@ -150,33 +197,57 @@ class Supervisor:
                 if a.kind in ("failure", "quarantine", "exclude", "readmit", "recovery", "waiting"):
                     self._say(f"supervisor: {rec}")
 
+    def _fence(self, attempt: int) -> None:
+        """Only groups numbered `attempt` and later may write to the run directory from now on (fence.py)."""
+        if attempt <= self.fenced_below:
+            return
+        fence.write_fence(self.workdir, attempt)
+        self.server.fence(attempt)
+        self.fenced_below = attempt
+        self.log.write("fence", {"attempt": attempt})
+
+    def _static_env(self) -> dict:
+        """The variables every worker (and standby) gets, whatever group it joins."""
+        return {
+            **self.worker.env,
+            "REVE_HEARTBEAT": f"{self.backend.heartbeat_host()}:{self.server.port}",
+            "REVE_HEARTBEAT_INTERVAL": str(self.worker.heartbeat_interval),
+            "REVE_INIT_TIMEOUT": str(int(self.worker.init_timeout)),
+            # JAX's own failure cascade must be slower than this supervisor's detection (see worker.py).
+            "REVE_JAX_HEARTBEAT_TIMEOUT": str(int(max(30, 4 * self.policy.config.heartbeat_timeout))),
+            "REVE_ORPHAN_TIMEOUT": str(self.worker.orphan_timeout),
+            "REVE_WORKDIR": os.path.abspath(self.workdir),
+            "PYTHONUNBUFFERED": "1",
+            # Backends pass it out of band (environment, or stdin of ssh/srun), never on a command line.
+            auth.SECRET_ENV: self.server.secret.hex(),
+        }
+
     def _launch(self, a: P.Launch) -> None:
+        self._fence(a.attempt)
         coordinator = self.backend.coordinator(a.hosts[0], a.attempt)
-        heartbeat = f"{self.backend.heartbeat_host()}:{self.server.port}"
-        pids = {}
+        pids, warm = {}, []
         for i, host in enumerate(a.hosts):
             env = {
-                **self.worker.env,
+                **self._static_env(),
                 "REVE_COORDINATOR": coordinator,
                 "REVE_NUM_PROCESSES": str(len(a.hosts)),
                 "REVE_PROCESS_ID": str(i),
-                "REVE_HEARTBEAT": heartbeat,
                 "REVE_HOST": host,
                 "REVE_ATTEMPT": str(a.attempt),
-                "REVE_HEARTBEAT_INTERVAL": str(self.worker.heartbeat_interval),
-                "REVE_INIT_TIMEOUT": str(int(self.worker.init_timeout)),
-                # JAX's own failure cascade must be slower than this supervisor's detection (see worker.py).
-                "REVE_JAX_HEARTBEAT_TIMEOUT": str(int(max(30, 4 * self.policy.config.heartbeat_timeout))),
-                "REVE_ORPHAN_TIMEOUT": str(self.worker.orphan_timeout),
-                "PYTHONUNBUFFERED": "1",
-                # Backends pass it out of band (environment, or stdin of ssh/srun), never on a command line.
-                auth.SECRET_ENV: self.server.secret.hex(),
             }
             log_path = os.path.join(self.workdir, "logs", f"attempt{a.attempt}_{host}.log")
-            proc = self.backend.start(host, list(self.worker.argv), env, log_path)
+            s = self.standbys.take(host) if self.standbys is not None else None
+            if s is not None:  # a warm standby takes the place: no interpreter start, no imports
+                self.server.assign(s.token, {k: v for k, v in env.items() if k != auth.SECRET_ENV})
+                proc = s.proc
+                warm.append(host)
+                with contextlib.suppress(OSError):
+                    os.symlink(os.path.basename(s.log_path), log_path)
+            else:
+                proc = self.backend.start(host, list(self.worker.argv), env, log_path)
             self.procs[(a.attempt, host)] = proc
             pids[host] = proc.pid
-        self.log.write("spawn", {"attempt": a.attempt, "coordinator": coordinator, "pids": pids})
+        self.log.write("spawn", {"attempt": a.attempt, "coordinator": coordinator, "pids": pids, "standby": warm})
         self._say(f"supervisor: group {a.attempt} on {len(a.hosts)} hosts {list(a.hosts)}, coordinator {coordinator}")
 
     def _probe(self, host: str) -> None:
@@ -197,8 +268,10 @@ class Supervisor:
         return out
 
     def _kill_everything(self) -> None:
-        """On the way out (normal or not), leave no worker or probe behind."""
+        """On the way out (normal or not), leave no worker, standby or probe behind."""
         procs = list(self.procs.values()) + [p for p, _ in self.probes.values()]
+        if self.standbys is not None:
+            procs += self.standbys.close()
         for proc in procs:
             proc.kill()
         deadline = time.monotonic() + 10
@@ -222,9 +295,24 @@ def _beat_from(t: float, msg: dict) -> P.Beat | None:
             str(msg.get("phase", "train")),
             None if start is None else int(start),
             str(msg.get("where", "")),
+            bool(msg.get("joined", False)),
+            float(msg.get("compile_s", 0.0)),
         )
     except (KeyError, TypeError, ValueError):
         return None
+
+
+def _lock_workdir(workdir: str):
+    """Holds an exclusive lock on `<workdir>/.supervisor.lock` for this supervisor's life (returns the open file);
+    raises RuntimeError if another supervisor holds it: two would both write events and launch groups."""
+    os.makedirs(workdir, exist_ok=True)
+    f = open(os.path.join(workdir, ".supervisor.lock"), "a")  # noqa: SIM115 (held until the run ends)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise RuntimeError(f"another launcher is running on {workdir}") from None
+    return f
 
 
 def _next_attempt(events_path: str) -> int:

@@ -25,8 +25,9 @@ import signal
 import sys
 import threading
 
-from reve_jax.elastic import auth
+from reve_jax.elastic import auth, standby
 from reve_jax.elastic.channel import HeartbeatClient
+from reve_jax.elastic.fence import Fence
 
 
 @dataclasses.dataclass
@@ -40,6 +41,7 @@ class WorkerContext:
     supervised: bool = False  # launched by the supervisor
     _client: HeartbeatClient | None = None
     _stop: threading.Event = dataclasses.field(default_factory=threading.Event)
+    _fence: Fence | None = None
 
     def beat(self, step: int, phase: str = "train") -> None:
         """Reports the state's step (steps completed) and what the process is doing: "restoring",
@@ -55,6 +57,11 @@ class WorkerContext:
         client_stop = self._client is not None and self._client.stop_event.is_set()
         return client_stop or self._stop.is_set()
 
+    def fenced(self) -> bool:
+        """True once the supervisor gave up on this group and a later one owns the run directory (fence.py): the
+        process must not write there (the guard installed by init_from_env exits it at its next write)."""
+        return self._fence is not None and self._fence.fenced()
+
     def close(self) -> None:
         """Sends the last state and stops the heartbeat thread."""
         if self._client is not None:
@@ -68,11 +75,17 @@ def init_from_env(environ: dict | None = None) -> WorkerContext:
     Takes `environ` (default os.environ): REVE_COORDINATOR (host:port), REVE_NUM_PROCESSES, REVE_PROCESS_ID,
     REVE_HEARTBEAT (host:port of the supervisor's channel), REVE_HOST, REVE_ATTEMPT, and optionally
     REVE_HEARTBEAT_INTERVAL, REVE_INIT_TIMEOUT, REVE_JAX_HEARTBEAT_TIMEOUT, REVE_SHUTDOWN_TIMEOUT (s),
-    REVE_ORPHAN_TIMEOUT (s). Returns the WorkerContext; a single-process no-op one without REVE_NUM_PROCESSES.
+    REVE_ORPHAN_TIMEOUT (s), REVE_SECRET (the channel's key; removed from `environ` once read), REVE_WORKDIR
+    (the run directory: writes there are fenced once a later group owns it). Returns the WorkerContext; a
+    single-process no-op one without REVE_NUM_PROCESSES.
     """
     env = os.environ if environ is None else environ
     if not env.get("REVE_NUM_PROCESSES"):
         return WorkerContext()
+    secret = auth.secret_from_env(env)  # removed from the environment: processes we start do not inherit it
+    if env.get("REVE_STANDBY"):
+        # A warm standby (standby.py): imports now, and learns its place in a group from the supervisor.
+        standby.wait_for_assignment(env, secret)
     ctx = WorkerContext(
         process_id=int(env["REVE_PROCESS_ID"]),
         num_processes=int(env["REVE_NUM_PROCESSES"]),
@@ -80,7 +93,9 @@ def init_from_env(environ: dict | None = None) -> WorkerContext:
         attempt=int(env.get("REVE_ATTEMPT", "0")),
         supervised=True,
     )
-    secret = auth.secret_from_env(env)  # removed from the environment: processes we start do not inherit it
+    if env.get("REVE_WORKDIR"):
+        # Before anything can write: a process of a group the supervisor gave up on must not touch the run.
+        ctx._fence = Fence(env["REVE_WORKDIR"], ctx.attempt).install()
     if env.get("REVE_HEARTBEAT"):
         if secret is None:
             raise RuntimeError(f"REVE_HEARTBEAT is set but {auth.SECRET_ENV} is not: the channel needs the secret")
@@ -98,16 +113,50 @@ def init_from_env(environ: dict | None = None) -> WorkerContext:
             secret,
             interval=float(env.get("REVE_HEARTBEAT_INTERVAL", "0.5")),
             orphan_timeout=float(env.get("REVE_ORPHAN_TIMEOUT", "0")),
+            on_fenced=(lambda: ctx._fence.exit_fenced("heartbeat reply")) if ctx._fence is not None else None,
         ).start()
     if ctx.num_processes > 1:
+        if ctx._client is not None:
+            ctx._client.update(-1, "joining")
         _join_jax(env, ctx)
+    if ctx._client is not None:
+        ctx._client.note(wake=True, joined=True)
+        _report_compile_time(ctx._client)
     _install_signal_handlers(ctx._stop)
     return ctx
+
+
+# JAX's timings of tracing, lowering and compiling (or loading from the cache) a program.
+_COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+
+
+def _report_compile_time(client: HeartbeatClient) -> None:
+    """Beats carry the seconds this process has spent compiling so far, so the supervisor can tell compilation
+    from the first step in a recovery's time split."""
+    import jax
+
+    total = [0.0]
+
+    def listener(event: str, duration: float, **_):
+        if event in _COMPILE_EVENTS:
+            total[0] += duration
+            client.note(compile_s=round(total[0], 3))
+
+    with contextlib.suppress(AttributeError):  # an older or newer JAX without this API: no split
+        jax.monitoring.register_event_duration_secs_listener(listener)
 
 
 def _join_jax(env, ctx: WorkerContext) -> None:
     import jax
 
+    from reve_jax import xla
+
+    # One compile per group instead of one per process, and executables compiled ahead for this group size.
+    xla.share_executables_between_processes()
     # CPU processes talk through gloo; the option is harmless on GPU and may be gone in later versions.
     with contextlib.suppress(AttributeError, KeyError, ValueError):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
