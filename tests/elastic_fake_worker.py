@@ -81,7 +81,8 @@ def main() -> int:
             saved = json.load(f)
         step, w = saved["step"], saved["w"]
     print(
-        f"process {ctx.process_id}/{ctx.num_processes} on {ctx.host} attempt {ctx.attempt}: from step {step}",
+        f"process {ctx.process_id}/{ctx.num_processes} on {ctx.host} attempt {ctx.attempt} pid {os.getpid()}: "
+        f"from step {step}",
         flush=True,
     )
     ctx.beat(step, "compiling")
