@@ -129,13 +129,6 @@ class _SignalStop:
         return self.signalled.is_set() or self.worker.stop_requested()
 
 
-def _resume(ckpt, abstract_state, *, fresh):
-    # TODO(consolidation): checkpoint.resume lands with the checkpoint-safety work; until then the old path.
-    if hasattr(checkpoint, "resume"):
-        return checkpoint.resume(ckpt, abstract_state, fresh=fresh)
-    return None if fresh else ckpt.restore_latest(abstract_state)
-
-
 def restore(run, ckpt: checkpoint.Checkpointer, *, fresh: bool) -> tuple[dict, dict]:
     """The state to train from and its checkpoint metadata ({} for a fresh start). Refuses a workdir whose
     checkpoints were written by another model or optimizer before touching them."""
@@ -147,7 +140,7 @@ def restore(run, ckpt: checkpoint.Checkpointer, *, fresh: bool) -> tuple[dict, d
             saved = None
         if saved is not None:
             check_compatible(run.cfg, saved)
-    restored = _resume(ckpt, run.setup.abstract_state, fresh=fresh)
+    restored = checkpoint.resume(ckpt, run.setup.abstract_state, fresh=fresh)
     if restored is None:
         log.info("fresh start")
         return run.init_state(), {}

@@ -59,7 +59,7 @@ def test_benchmark_runs_two_steps_and_prints_the_table(capsys, tmp_path):
     assert row["images_per_s"] == pytest.approx(8 / row["step_s"])
     assert row["tflops"] == pytest.approx(row["flops_per_image"] * row["images_per_s"] / 1e12)
     assert math.isfinite(row["loss"]) and row["memory"]["estimate"] > 0
-    assert row["ckpt_save_call_s"] >= 0 and not list(tmp_path.glob("run"))  # the checkpoint was cleaned up
+    assert row["ckpt_finish_s"] >= 0 and not list(tmp_path.glob("run"))  # the checkpoint was cleaned up
     assert [json.loads(x)["images_per_s"] for x in results.read_text().splitlines()] == [row["images_per_s"]]
 
 

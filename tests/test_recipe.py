@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 from util import tiny_config
 
-from reve_jax import diffusion, flops, sharding, train_state
+from reve_jax import builder, diffusion, flops, train_state
 from reve_jax.config import load_config
-from reve_jax.data import pipeline
 
 
 def _shrunk(spec: str):
@@ -31,20 +30,14 @@ def _shrunk(spec: str):
 
 
 def _train_steps(cfg, n=2):
-    mesh = sharding.make_mesh(cfg.mesh)
-    setup = train_state.make_setup(cfg, mesh)
-    state = train_state.init_state(setup)
-    it = pipeline.make_batch_iterator(cfg.data, cfg.text.max_len, cfg.train.global_batch, 0, 1, 0)
-    step = None
+    run = builder.build(cfg)
+    state = run.init_state()
+    batches = run.batches(0)
     out = []
     for _ in range(n):
-        local = {k: v for k, v in next(it).items() if k != "index"}
-        batch = sharding.global_batch_from_local(local, mesh, cfg.train.global_batch)
-        step = step or train_state.jit_train_step(setup, jax.tree.map(lambda a: a.sharding, batch))
-        with jax.set_mesh(mesh):
-            state, m = step(state, batch, setup.frozen.states)
+        state, m = run.step(state, next(batches))
         out.append(jax.device_get(m))
-    return setup, state, out
+    return run.setup, state, out
 
 
 RECIPES = [

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from util import tiny_config
 
-from reve_jax import optim, sharding, train_state
-from reve_jax.data import pipeline
+from reve_jax import builder, optim, sharding, train_state
 
 GOLDEN = Path(__file__).parent / "golden" / "partition_specs.txt"
 MESH = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")
@@ -49,14 +48,11 @@ def test_optimizer_state_follows_parameter_sharding():
 
 
 def _one_step(cfg, devices, batch):
-    mesh = sharding.make_mesh(cfg.mesh, devices)
-    setup = train_state.make_setup(cfg, mesh)
-    state = train_state.init_state(setup)
-    gbatch = sharding.global_batch_from_local(batch, mesh, cfg.train.global_batch)
-    step = train_state.jit_train_step(setup, jax.tree.map(lambda a: a.sharding, gbatch))
-    with jax.set_mesh(mesh):
-        state, metrics = step(state, gbatch, setup.frozen.states)
-        state, metrics = step(state, gbatch, setup.frozen.states)
+    run = builder.build(cfg, sharding.make_mesh(cfg.mesh, devices))
+    state = run.init_state()
+    gbatch = run.to_device(batch)
+    state, metrics = run.step(state, gbatch)
+    state, metrics = run.step(state, gbatch)
     return jax.device_get(state), jax.device_get(metrics)
 
 
@@ -64,8 +60,7 @@ def _one_step(cfg, devices, batch):
 def test_step_on_8_devices_equals_step_on_1_device(layout):
     cfg8 = tiny_config(*MESH, "model.width=64", "model.heads=4", "optim.name='muon'", *layout)
     cfg1 = tiny_config("model.width=64", "model.heads=4", "optim.name='muon'", *layout)
-    it = pipeline.make_batch_iterator(cfg8.data, cfg8.text.max_len, 8, 0, 1, 0)
-    batch = {k: v for k, v in next(it).items() if k != "index"}
+    batch = next(builder.build(cfg8).host_batches(0))
     s8, m8 = _one_step(cfg8, jax.devices(), batch)
     s1, m1 = _one_step(cfg1, jax.devices()[:1], batch)
     np.testing.assert_allclose(m8["loss"], m1["loss"], rtol=1e-5)

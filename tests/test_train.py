@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 from util import TINY, tiny_config
 
-from reve_jax import sharding, train_state, trainer
+from reve_jax import builder, sharding, train_state, trainer
 from reve_jax.checkpoint import Checkpointer, CheckpointError
-from reve_jax.data import pipeline
 
 
 class StopAt:
@@ -89,17 +88,13 @@ def test_tiny_overfit_drives_the_loss_down():
     cfg = tiny_config(
         "optim.lr=3e-3", "optim.warmup_steps=5", "diffusion.caption_drop=0.0", "diffusion.t_sampler='uniform'"
     )
-    mesh = sharding.make_mesh(cfg.mesh)
-    setup = train_state.make_setup(cfg, mesh)
-    state = train_state.init_state(setup)
-    it = pipeline.make_batch_iterator(cfg.data, cfg.text.max_len, 8, 0, 1, 0)
-    batch = sharding.global_batch_from_local({k: v for k, v in next(it).items() if k != "index"}, mesh, 8)
-    step = train_state.jit_train_step(setup, jax.tree.map(lambda a: a.sharding, batch))
+    run = builder.build(cfg)
+    state = run.init_state()
+    batch = next(run.batches(0))
     losses = []
-    with jax.set_mesh(mesh):
-        for _ in range(150):
-            state, m = step(state, batch, setup.frozen.states)
-            losses.append(float(m["loss"]))
+    for _ in range(150):
+        state, m = run.step(state, batch)
+        losses.append(float(m["loss"]))
     assert np.mean(losses[-20:]) < 0.3 * np.mean(losses[:20]), (losses[:5], losses[-5:])
 
 
