@@ -30,6 +30,7 @@ import shutil
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import jax
@@ -191,7 +192,13 @@ def _barrier(name: str, timeout_s: float = BARRIER_TIMEOUT_S):
     except ImportError:  # a jax without the coordination-service client
         client = None
     if client is not None:
-        client.wait_at_barrier(name, int(timeout_s * 1000))
+        try:
+            client.wait_at_barrier(name, int(timeout_s * 1000))
+        except Exception as e:  # DEADLINE_EXCEEDED, or a peer that left the job
+            raise CheckpointError(
+                f"process {jax.process_index()} waited {timeout_s:.0f}s at the checkpoint barrier {name!r} and not "
+                f"every process arrived ({str(e)[:300]}); a peer probably died: relaunch the job"
+            ) from e
     else:
         from jax.experimental import multihost_utils
 
@@ -356,8 +363,11 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
     def _sync(self, what: str):
-        self._barriers += 1  # every process makes the same calls in the same order, so the names agree
-        _barrier(f"reve_jax_checkpoint_{what}_{self._barriers}")
+        # Every process makes the same calls in the same order, so the names agree; the directory's hash keeps
+        # two Checkpointers of one job apart (a barrier name is used once).
+        self._barriers += 1
+        tag = zlib.crc32(str(self.directory).encode())
+        _barrier(f"reve_jax_checkpoint_{tag:08x}_{what}_{self._barriers}")
 
     def steps(self) -> list[int]:
         """Complete checkpoints, oldest first."""

@@ -536,3 +536,53 @@ def test_train_script_disk_full_stops_with_one_line(small_disk):
     assert str(workdir / "checkpoints" / "4") in errors[0] and "No space left on device" in errors[0]
     assert "the last good checkpoint is step 2" in errors[0]
     assert Checkpointer(workdir).steps() == [2]
+
+
+# ---------------------------------------------------------------- Processes
+BARRIER_SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    import jax
+    from reve_jax import checkpoint
+    port, index = sys.argv[1], int(sys.argv[2])
+    jax.distributed.initialize(f"127.0.0.1:{port}", 2, index, heartbeat_timeout_seconds=30)
+    checkpoint._barrier("both_arrive", timeout_s=60)
+    print("PASSED", flush=True)
+    if index == 1:
+        time.sleep(20)  # never reaches the next barrier
+        os._exit(0)
+    t0 = time.time()
+    try:
+        checkpoint._barrier("one_missing", timeout_s=2)
+        print("NO TIMEOUT", flush=True)
+    except checkpoint.CheckpointError as e:
+        print(f"REFUSED after {time.time() - t0:.0f}s: {e}", flush=True)
+    os._exit(0)
+""")
+
+
+@pytest.mark.slow
+def test_the_barrier_between_processes_times_out_instead_of_hanging():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", BARRIER_SCRIPT, str(port), str(i)],
+            env=env,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    try:
+        out0 = procs[0].communicate(timeout=120)[0]
+    finally:
+        for p in procs:
+            p.kill()
+    assert "PASSED" in out0 and "REFUSED after" in out0, out0[-3000:]
+    assert "not every process arrived" in out0 and "'one_missing'" in out0
+    assert int(out0.split("REFUSED after ")[1].split("s")[0]) < 30
