@@ -95,7 +95,7 @@ def get_config() -> ml_collections.ConfigDict:
     f.noise_scale = 1.0  # eps scale (JiT: 1 at 256 px, 2 at 512 px)
     f.caption_drop = 0.1  # probability of training a sample unconditionally (for CFG)
 
-    # Losses on the predicted image x_hat besides the flow-matching loss (RECIPE.md section 2). The frozen networks
+    # Losses on the predicted image x_hat besides the flow-matching loss (docs/recipe.md section 2). The frozen networks
     # load from converted files (scripts/convert_weights.py); nothing is downloaded.
     c.loss = lo = ml_collections.ConfigDict()
     lo.lpips_weight = 0.0  # PRX and Linum: 0.1

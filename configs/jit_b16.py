@@ -1,4 +1,4 @@
-"""JiT-B/16 at 256 px (RECIPE.md section 1): depth 12, width 768, 12 heads, patch 16, bottleneck 128,
+"""JiT-B/16 at 256 px (docs/recipe.md section 1): depth 12, width 768, 12 heads, patch 16, bottleneck 128,
 x-prediction with v-loss, logit-normal(-0.8, 0.8), Adam (0.9, 0.95), lr 2e-4 at batch 1024, two EMAs.
 
     python scripts/train.py --config configs/jit_b16.py --workdir runs/jit_b16

@@ -1,4 +1,4 @@
-"""The Photoroom-size model at 512 px (RECIPE.md section 5): width 1792, depth 16, 28 heads of 64, SwiGLU
+"""The Photoroom-size model at 512 px (docs/recipe.md section 5): width 1792, depth 16, 28 heads of 64, SwiGLU
 hidden 3.5 x width, patch 32, bottleneck 256, grad clip 0.2, 1k warm-up then constant lr 1e-4, caption drop 0.1.
 This gives 1.07B parameters with the built-in text encoder; PRX reports 1.24B (its blocks differ in detail).
 

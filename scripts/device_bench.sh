@@ -3,7 +3,8 @@
 # Each row is its own process (clean peak-memory counter, its own XLA_FLAGS); a row that would pass the budget is
 # skipped, and the table of whatever ran is printed last. Full rows: $OUT/results.jsonl, logs: $OUT/log.txt.
 #
-# Before the call, here: .whl/ holds shared/device/wheels/*.whl and .ref/ the reference DiT's models.py
+# Before the call, here: .whl/ holds the wheels the device lacks (grain, array-record, portpicker,
+# ml_collections) and .ref/ the reference DiT's models.py
 # (docs/performance.md says how); both folders are git-ignored and never committed. Then:
 #   run(command="bash scripts/device_bench.sh core", carry=[".whl", ".ref"], timeout_s=330)
 #   run(command="bash scripts/device_bench.sh extra", carry=[".whl", ".ref"], timeout_s=330)

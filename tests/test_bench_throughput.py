@@ -71,7 +71,7 @@ def test_tread_row_counts_fewer_flops():
 
 
 def test_peer_flops_match_the_recipe_formula():
-    # RECIPE.md section 8: 3 * L * (24*N*d^2 + 4*N^2*d) for DiT-XL/2, 601 img/s = 43% of 989 TFLOP/s.
+    # docs/recipe.md section 8: 3 * L * (24*N*d^2 + 4*N^2*d) for DiT-XL/2, 601 img/s = 43% of 989 TFLOP/s.
     core = 3 * 28 * (24 * 256 * 1152**2 + 4 * 256**2 * 1152)
     got = peer.peer_train_flops_per_image(1152, 28, 256, 4.0)
     assert core < got < 1.02 * core

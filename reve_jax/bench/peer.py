@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 def peer_train_flops_per_image(width: int, depth: int, tokens: int, mlp_ratio: float, patch_in: int = 16) -> float:
     """Training FLOPs per image of the reference DiT (forward x3, matmuls only): per block q,k,v,out, QK^T and AV,
     the GELU MLP and adaLN; plus the patch embedding (p*p*C in), the final layer (2x out for learned sigma) and
-    the time embedding. This is RECIPE.md section 8's formula with the small terms added."""
+    the time embedding. This is docs/recipe.md section 8's formula with the small terms added."""
     d, n = width, tokens
     block = 2 * n * 4 * d * d + 4 * n * n * d + 2 * n * 2 * d * int(mlp_ratio * d) + 2 * d * 6 * d
     extra = 2 * n * patch_in * d + 2 * n * d * 2 * patch_in + 2 * d * 2 * d + 2 * 256 * d + 2 * d * d

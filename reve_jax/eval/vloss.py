@@ -4,7 +4,7 @@ times t and fixed noise, so two checkpoints (or two methods) are scored on exact
 Held-out samples are the last indices of the dataset (as for the trainer's sample grid). The times default to
 t in {0.1, 0.3, 0.5, 0.7, 0.9} (t = 1 is clean): at t <= 0.9 the clamp (1 - t) >= t_eps of x-prediction does not
 bite for t_eps <= 0.1, so x-, v- and eps-predicting models are measured on the same v-space target x - noise.
-A weak signal on its own (RECIPE.md section 7): low v-loss does not imply good samples.
+A weak signal on its own (docs/recipe.md section 7): low v-loss does not imply good samples.
 """
 
 from __future__ import annotations
