@@ -12,7 +12,7 @@ import sys
 import time
 
 import pytest
-from test_elastic_e2e import FAST, Launcher, events, fake_w, last_metric_step, metrics_by_step, wait_until
+from test_elastic_e2e import FAKE, FAST, Launcher, events, fake_w, last_metric_step, metrics_by_step, wait_until
 
 from reve_jax.elastic.testbed import NetnsBed
 
@@ -156,3 +156,47 @@ def test_partition_fences_off_the_cut_off_worker(tmp_path, bed, launched):
                     assert secret not in f.read(), f"the secret is in {name}"
     with open(os.path.join(wd, "launcher.log"), "rb") as f:
         assert secret not in f.read()
+
+
+# ------------------------------------------------------------------------------------------------------- SLURM
+@pytest.fixture
+def slurm(tmp_path):
+    from reve_jax.elastic.testbed_slurm import SlurmCluster
+
+    if SlurmCluster.unavailable():
+        pytest.skip(SlurmCluster.unavailable())
+    with NetnsBed(3, str(tmp_path / "bed")) as b, SlurmCluster(b, str(tmp_path / "slurm")) as cluster:
+        yield b, cluster
+
+
+def test_slurm_job_loses_a_node_and_continues(tmp_path, slurm):
+    """The launcher runs inside a 3-node allocation (sbatch), one srun step per node; node 1's worker is killed
+    and the run finishes on nodes 0 and 2."""
+    bed, cluster = slurm
+    wd = str(tmp_path / "run")
+    n0, n1, n2 = bed.namespaces
+    launch = [
+        sys.executable, os.path.join(ROOT, "scripts", "launch.py"), "--slurm", "--config", "configs/tiny.py",
+        "--workdir", wd, "--script", FAKE, "--python", sys.executable, "--devices-per-host", "2", "--no-readmit",
+        *FAST, "--worker-arg=--fake.step_time=0.1", "--config.train.steps=60", "--config.train.ckpt_every=5",
+    ]  # fmt: skip
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\ncd {ROOT}\nexec {' '.join(launch)}\n")
+    output = str(tmp_path / "job.out")
+    job = cluster.sbatch(str(script), nodes=3, output=output)
+    try:
+        wait_until(lambda: last_metric_step(wd) >= 10, 90, "step 10")
+        t_kill = time.time()
+        os.kill(worker_pid(wd, n1), signal.SIGKILL)
+        wait_until(lambda: cluster.job_state(job).startswith(("COMPLETED", "FAILED", "CANCELLED")), 120, "the job")
+    finally:
+        cluster.run(["scancel", job], check=False)
+    assert cluster.job_state(job).startswith("COMPLETED"), read(output)
+    (fail,) = events(wd, "failure")
+    assert fail["hosts"] == [n1] and fail["time"] - t_kill < 10, fail
+    assert events(wd, "launch")[-1]["hosts"] == [n0, n2]
+    rec = events(wd, "recovery")[0]
+    print("slurm recovery:", rec["total_s"], rec["split"])
+    with open(os.path.join(wd, "fake_ckpt.json")) as f:
+        final = json.load(f)
+    assert final["step"] == 60 and final["w"] == pytest.approx(fake_w(60), rel=1e-12)

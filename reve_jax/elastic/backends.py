@@ -239,12 +239,14 @@ class SlurmBackend:
         srun_args: tuple[str, ...] = (),
         base_port: int = 29500,
         advertise: str = "",
+        python: str = "python3",
     ):
         self.job_id = os.environ.get("SLURM_JOB_ID", "")
         if not self.job_id:
             raise RuntimeError("the slurm backend runs inside an allocation (salloc/sbatch): SLURM_JOB_ID unset")
         self.hosts = list(hosts) if hosts else allocation_hosts()
         self.srun_args, self.base_port, self.advertise = list(srun_args), base_port, advertise
+        self.python = python
 
     def coordinator(self, host: str, attempt: int) -> str:
         return f"{host}:{self.base_port + attempt % 500}"
@@ -277,7 +279,7 @@ class SlurmBackend:
         env = dict(env)
         secret = env.pop(auth.SECRET_ENV, None)  # through srun's stdin: not in srun's environment or argv
         name = f"reve-{uuid.uuid4().hex[:12]}"
-        argv = ["python3" if a == "python" else a for a in argv]
+        argv = [self.python if a == "python" else a for a in argv]
         # scancel by step name: the step id is known only to srun.
         kill = [
             "bash",

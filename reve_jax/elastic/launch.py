@@ -133,7 +133,9 @@ def main(argv: list[str] | None = None) -> int:
                 "JAX_PLATFORMS": "cpu",
             }
     if args.slurm:
-        backend = backends.SlurmBackend(srun_args=tuple(args.srun_arg), advertise=args.advertise)
+        backend = backends.SlurmBackend(
+            srun_args=tuple(args.srun_arg), advertise=args.advertise, python=args.python or "python3"
+        )
     elif args.hosts.isdigit():
         backend = backends.LocalBackend(
             int(args.hosts),

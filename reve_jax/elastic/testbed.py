@@ -107,16 +107,19 @@ class NetnsBed:
             ):
                 _run(_IP, "netns", "exec", ns, _IP, *cmd)
             # `ip netns exec` mounts /etc/netns/<ns>/hosts over /etc/hosts: there this machine's name means the
-            # host's own address, which is what JAX's gloo collectives bind to and announce to their peers.
+            # host's own address, which is what JAX's gloo collectives bind to and announce to their peers, and
+            # every host's namespace name is its address (node names for SLURM).
             os.makedirs(f"/etc/netns/{ns}", exist_ok=True)
+            names = "".join(f"{a} {n}\n" for a, n in zip(self.hosts, self.namespaces, strict=True))
             with open(f"/etc/netns/{ns}/hosts", "w") as f:
-                f.write(f"127.0.0.1 localhost\n{addr} {hostname}\n")
+                f.write(f"127.0.0.1 localhost\n{addr} {hostname}\n{names}")
             self._write_sshd_config(i)
             self.start_sshd(i)
         for i in range(self.n):
             self._wait_port(self.hosts[i], 22, 20.0)
 
     def _keys(self) -> None:
+        open(os.path.join(self.root, "empty"), "w").close()
         for name in ("client_key", "host_key"):
             path = os.path.join(self.root, name)
             if not os.path.exists(path):
@@ -141,6 +144,15 @@ class NetnsBed:
                 "UsePAM no\nStrictModes no\nPrintMotd no\nMaxStartups 200\nMaxSessions 100\nLogLevel ERROR\n"
             )
 
+    def _wait_closed(self, addr: str, port: int, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection((addr, port), timeout=1.0).close()
+            except OSError:
+                return
+            time.sleep(0.05)
+
     def _wait_port(self, addr: str, port: int, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:
@@ -158,7 +170,7 @@ class NetnsBed:
         log = open(os.path.join(self.root, f"sshd_{i}.log"), "ab")  # noqa: SIM115 (inherited by sshd, closed here)
         conf = os.path.join(self.root, f"sshd_{i}.conf")
         self._sshd[i] = subprocess.Popen(
-            [_IP, "netns", "exec", self.namespaces[i], _SSHD, "-D", "-e", "-f", conf],
+            self.in_host(i, [_SSHD, "-D", "-e", "-f", conf]),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -175,6 +187,7 @@ class NetnsBed:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(proc.pid, signal.SIGKILL)  # the listener only: sessions are its children in their own right
             proc.wait(timeout=10)
+            self._wait_closed(self.hosts[i], 22, 10.0)
 
     def partition(self, i: int) -> None:
         """Cuts host i off the network (its link down): its processes run on, unreachable."""
@@ -182,6 +195,18 @@ class NetnsBed:
 
     def heal(self, i: int) -> None:
         _run(_IP, "link", "set", self._veths[i], "up")
+
+    def in_host(self, i: int, argv: list[str]) -> list[str]:
+        """`argv` run in host i's network namespace, in a mount namespace of its own where /etc/hosts is the
+        host's and root's ~/.bashrc is empty: bash run by sshd reads it, and a shell set-up that waits (a pyenv
+        rehash lock left by a killed session waits 60 s) must not decide a test. This machine's /sys stays
+        (`ip netns exec` would replace it, hiding the cgroup mounts slurmd needs)."""
+        ns = self.namespaces[i]
+        bashrc = os.path.expanduser("~/.bashrc")
+        quiet = f"mount --bind {self.root}/empty {bashrc} && " if os.path.exists(bashrc) else ""
+        script = f'mount --bind /etc/netns/{ns}/hosts /etc/hosts && {quiet}exec "$0" "$@"'
+        return ["nsenter", f"--net=/run/netns/{ns}", "unshare", "--mount", "--propagation", "private",
+                "sh", "-c", script, *argv]  # fmt: skip
 
     def pids(self, i: int, needle: str = "") -> list[int]:
         """Processes running in host i's namespace whose command line contains `needle`."""
@@ -204,12 +229,17 @@ class NetnsBed:
             with contextlib.suppress(Exception):
                 self.stop_sshd(i)
         for ns in self._made_ns:
-            with contextlib.suppress(Exception):
-                for pid in _run(_IP, "netns", "pids", ns, check=False).stdout.split():
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(int(pid), signal.SIGKILL)
-            with contextlib.suppress(Exception):
-                _run(_IP, "netns", "del", ns, check=False)
+            # A namespace is only gone once nothing runs in it (or holds it in a mount namespace of its own).
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                with contextlib.suppress(Exception):
+                    pids = _run(_IP, "netns", "pids", ns, check=False).stdout.split()
+                    for pid in pids:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(int(pid), signal.SIGKILL)
+                    if not pids and _run(_IP, "netns", "del", ns, check=False).returncode == 0:
+                        break
+                time.sleep(0.1)
             shutil.rmtree(f"/etc/netns/{ns}", ignore_errors=True)
         self._made_ns = []
         for veth in self._veths:  # normally gone with its peer's namespace
