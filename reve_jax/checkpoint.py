@@ -219,24 +219,27 @@ def _short_cause(exc: BaseException) -> str:
 # ---------------------------------------------------------------- Orbax's own reports of a failure
 class _Watch:
     """One Checkpointer's share of `_NoiseFilter`: whether an operation on its directory is in flight (its noise
-    is held), and whether one failed and was reported (its noise is dropped from then on)."""
+    is held), and which steps failed and were reported (their noise is dropped from then on)."""
 
     def __init__(self, hub: _NoiseFilter, directory: Path):
         self.hub, self.directory = hub, str(directory)
+        self.steps_named = re.compile(re.escape(self.directory) + r"/(\d+)(?![\d])")
         self.active = 0  # operations in flight
-        self.reported = False
+        self.failed: set[int] = set()
         self.held: list[tuple[str, object]] = []
 
     def begin(self):
         with self.hub.lock:
             self.active += 1
 
-    def end(self, ok: bool):
-        """The operation finished: replay what was held if it succeeded, else drop it (its error says it)."""
+    def end(self, ok: bool, step: int | None = None):
+        """The operation (on `step`) finished: replay what was held if it succeeded, else drop it (its error
+        says it once) and drop what comes later about that step: late callbacks of the abandoned work."""
         with self.hub.lock:
             held, self.held = self.held, []
             self.active = max(0, self.active - 1)
-            self.reported = self.reported or not ok
+            if not ok:
+                self.failed.add(-1 if step is None else step)
         if ok:
             for kind, item in held:
                 self.hub.replay(kind, item)
@@ -248,7 +251,7 @@ class _Watch:
         return None
 
     def close(self):
-        if not self.reported:  # after a failure, keep dropping the abandoned writes' noise until exit
+        if not self.failed:  # after a failure, keep dropping the abandoned work's noise until exit
             self.hub.remove(self)
 
 
@@ -260,8 +263,9 @@ class _NoiseFilter:
     ("Event loop is closed", through sys.unraisablehook) and, at exit, the abandoned write coroutines complain.
     While a save or restore of a watched directory is in flight, error records that mention the directory and
     those unraisables are held; if the operation succeeds they are replayed unchanged, if it fails they are dropped
-    (CheckpointSaveError or the restore error reports it), as is later noise about that directory. Anything else
-    passes through. One per process: the hooks are process-wide; installed on first use.
+    (CheckpointSaveError or the restore error reports it), as is later noise about the failed step (and, after a
+    failure, the unraisables that name no path). Anything else passes through. One per process (the hooks are
+    process-wide), installed on first use.
     """
 
     LOGGERS = ("absl", "asyncio")
@@ -294,20 +298,22 @@ class _NoiseFilter:
             if not mine and orbax_noise:
                 # It names no path. After a failure it is the abandoned work's (callbacks arrive late, even while
                 # the next operation runs); else it belongs to what is in flight.
-                if any(w.reported for w in self.watches):
+                if any(w.failed for w in self.watches):
                     return True
                 mine = [w for w in self.watches if w.active]
             for w in mine:
+                if w.failed.intersection(int(n) for n in w.steps_named.findall(text)):
+                    return True  # about a step whose failure was reported
                 if w.active:
                     w.held.append((kind, item))
                     return True
-                if w.reported:
+                if w.failed:
                     return True
         return False
 
     def filter(self, record: logging.LogRecord) -> bool:
         """logging.Filter protocol, on the absl and asyncio loggers: only ERROR records are considered."""
-        if record.levelno < logging.ERROR or not self.watches:
+        if record.levelno < logging.ERROR or not self.watches or getattr(record, "reve_replayed", False):
             return True
         try:
             text = record.getMessage()
@@ -332,6 +338,7 @@ class _NoiseFilter:
 
     def replay(self, kind: str, item):
         if kind == "log":
+            item.reve_replayed = True  # passes this filter now
             logging.getLogger(item.name).handle(item)
         else:
             self.previous_hook(item)
@@ -458,7 +465,7 @@ class Checkpointer:
             raise CheckpointSaveError(str(f), step=f.step, path=f.path, cause=f.cause, last_good_step=f.last_good_step)
 
     def _fail(self, step: int, exc: BaseException):
-        self._noise.end(ok=False)  # what Orbax printed about it is dropped: this error says it once
+        self._noise.end(ok=False, step=step)  # what Orbax printed about it is dropped: this error says it once
         last = self._disk_steps()
         last_good = last[-1] if last else None
         path = self.directory / str(step)
@@ -549,10 +556,10 @@ class Checkpointer:
                 self.check_structure(step, abstract_state)
                 result = self.restore(step, abstract_state)
             except StructureMismatchError:
-                self._noise.end(ok=False)
+                self._noise.end(ok=False, step=step)
                 raise
             except Exception as e:
-                self._noise.end(ok=False)
+                self._noise.end(ok=False, step=step)
                 if not is_corruption(e):
                     raise CheckpointRestoreError(
                         f"checkpoint {step} in {self.directory} could not be restored ({type(e).__name__}: "

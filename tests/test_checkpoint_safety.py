@@ -386,7 +386,14 @@ def test_orbax_noise_is_held_then_replayed_or_dropped_and_nothing_else_is_hidden
     watch.begin()
     absl.error(ours)
     sys.unraisablehook(loop_closed())
-    watch.end(ok=False)  # it failed and was reported: its noise goes, now and later
+    watch.end(ok=False, step=3)  # it failed and was reported: its noise goes, now and later
+    watch.begin()  # the next operation (say restoring step 2) succeeds while step 3's late callbacks come in
+    absl.error(ours)
+    about_2 = f"slow read of {ckpt.directory}/2/state"
+    absl.error(about_2)
+    watch.end(ok=True)
+    assert [r.getMessage() for r in caplog.records] == [about_2]
+    caplog.clear()
     absl.error(ours)
     sys.unraisablehook(loop_closed())
     other = types.SimpleNamespace(exc_value=ValueError("not ours"), exc_traceback=None, exc_type=ValueError,
