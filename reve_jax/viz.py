@@ -93,6 +93,65 @@ def save_sample_grid(
     return grid.size
 
 
+def save_checked_grid(
+    path: str | os.PathLike,
+    images: np.ndarray,
+    captions: Sequence[str],
+    checks: Sequence[Mapping[str, tuple[int, int]]],
+    cols: int | None = None,
+) -> tuple[int, int]:
+    """A sample grid whose every cell shows how its caption was read: a frame (green when every check passed,
+    red otherwise) and, under the caption, one word per checked attribute in green (all passed), orange (some)
+    or red (none), with "passed/total" where the caption states several objects. Writes a PNG at `path`.
+
+    Args:
+      images: [N, H, W, 3], float in [-1, 1] or uint8; captions: N strings.
+      checks: per image, attribute -> (checks passed, checks made) (alignment.check_batch, one row each).
+    Returns the PNG's (width, height).
+    """
+    imgs = to_uint8(images)
+    n, h, w, _ = imgs.shape
+    if not (len(captions) == len(checks) == n):
+        raise ValueError(f"{n} images, {len(captions)} captions and {len(checks)} check rows")
+    cols = cols or math.ceil(math.sqrt(n))
+    rows = math.ceil(n / cols)
+    zoom = max(1, math.ceil(_MIN_CELL / max(h, w)))
+    cw, ch, frame = w * zoom, h * zoom, 3
+    font = ImageFont.load_default(size=_FONT_SIZE)
+    measure = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    wrapped = [_wrap(c, font, cw, measure) for c in captions]
+    ascent, descent = font.getmetrics()
+    line_h = ascent + descent + 1
+    marks = [[(a if p == t else f"{a} {p}/{t}", p, t) for a, (p, t) in c.items()] for c in checks]
+    mark_lines = [_wrap(" ".join(m[0] for m in row), font, cw, measure) for row in marks]
+    text_h = max(len(a) + len(b) for a, b in zip(wrapped, mark_lines, strict=True)) * line_h + _PAD
+    cell_w, cell_h = cw + 2 * frame, ch + 2 * frame + text_h
+    grid = Image.new("RGB", (cols * (cell_w + _PAD) + _PAD, rows * (cell_h + _PAD) + _PAD), "white")
+    draw = ImageDraw.Draw(grid)
+    colors = {"all": (20, 150, 40), "some": (220, 130, 0), "none": (200, 20, 20)}
+    for i in range(n):
+        x = _PAD + (i % cols) * (cell_w + _PAD)
+        y = _PAD + (i // cols) * (cell_h + _PAD)
+        exact = all(p == t for _, p, t in marks[i])
+        draw.rectangle([x, y, x + cell_w - 1, y + ch + 2 * frame - 1], fill=colors["all" if exact else "none"])
+        grid.paste(Image.fromarray(imgs[i]).resize((cw, ch), Image.Resampling.NEAREST), (x + frame, y + frame))
+        ty = y + ch + 2 * frame + _PAD // 2
+        for k, line in enumerate(wrapped[i]):
+            draw.text((x, ty + k * line_h), line, fill="black", font=font)
+        # The marks, word by word, each in its own color, wrapped like the caption.
+        ty += len(wrapped[i]) * line_h
+        tx, row = x, 0
+        for word, p, t in marks[i]:
+            width = draw.textlength(word + " ", font=font)
+            if tx > x and tx + draw.textlength(word, font=font) > x + cw:
+                tx, row = x, row + 1
+            kind = "all" if p == t else ("some" if p else "none")
+            draw.text((tx, ty + row * line_h), word, fill=colors[kind], font=font)
+            tx += width
+    grid.save(os.fspath(path), format="PNG")
+    return grid.size
+
+
 def _read_metrics(metrics: str | os.PathLike | Sequence[Mapping]) -> list[Mapping]:
     if isinstance(metrics, str | os.PathLike):
         with open(metrics) as f:

@@ -1,0 +1,42 @@
+"""Control image sets that every evaluation reports beside a model's score: what real images score (the ceiling),
+and what three kinds of wrong images score (each must land clearly below real images on every metric, or the
+metric cannot tell them apart from a model that learned the captions):
+
+- real: another real image for each held-out caption (the dataset's next draw of its variation; the fixed
+  rendering has only one image per caption, so there it is the held-out image itself). Its distance to the
+  held-out images is the real-vs-real floor;
+- shuffled: real images under the wrong captions: the images of the samples just before the held-out ones (other
+  captions, and no copy of a held-out image, which would pair with itself in the distances);
+- background: each caption's background alone, drawn the dataset's way, without objects;
+- one_object: one object of the caption, right in color, shape and size, in a random cell (any of the nine), and
+  none of the others: the score of a model that draws the right thing anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from reve_jax.data import synthetic
+
+NAMES = ("real", "shuffled", "background", "one_object")
+_KEY_BACKGROUND, _KEY_ONE_OBJECT = 1001, 1002  # style-key tags: the controls' variation is drawn apart from the data's
+
+
+def control_images(ds: synthetic.SyntheticShapes, index, seed: int) -> dict[str, np.ndarray]:
+    """The control sets for the held-out samples `index` of `ds`: name -> uint8 [n, S, S, 3], row i for caption i
+    (see the module docstring); `seed` draws the single objects' cells."""
+    index = [int(i) for i in index]
+    rng = np.random.default_rng(seed)
+    out = {"real": np.stack([ds.image(i, variant=1) for i in index])}
+    others = [(min(index) - 1 - k) % ds.num_samples for k in range(len(index))]
+    out["shuffled"] = np.stack([ds[i]["image"] for i in others])
+    background, one = [], []
+    for i in index:
+        scene = ds.scene(i)
+        background.append(ds.draw(synthetic.Scene(scene.background, ()), (ds.seed, i, _KEY_BACKGROUND)))
+        moved = dataclasses.replace(scene.objects[0], cell=int(rng.integers(synthetic.GRID**2)))
+        one.append(ds.draw(synthetic.Scene(scene.background, (moved,)), (ds.seed, i, _KEY_ONE_OBJECT)))
+    out["background"], out["one_object"] = np.stack(background), np.stack(one)
+    return out
