@@ -1,18 +1,27 @@
-"""Measure one recovery: launch a local elastic run, SIGKILL one worker at a random step, and print how long the
-supervisor took to detect it, to restart, restore and reach the first step again, and the steps of work lost.
+"""Measure recoveries of the elastic launcher: start a run, hit one host with a fault, and report the time from
+the fault to training again, split as the supervisor's `recovery` record splits it (detect, kill, spawn, join,
+restore, compile, first step), per run and as the median of --repeat runs per fault.
 
-    python scripts/bench_recovery.py                       # fake worker: 4 hosts x 2 CPU devices
-    python scripts/bench_recovery.py --trainer real        # scripts/train.py with configs/tiny.py made tiny
-    python scripts/bench_recovery.py --seed 3 --hosts 3 --workdir runs/bench
+    python scripts/bench_recovery.py                                    # fake worker, local processes, SIGKILL
+    XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true" \\
+        python scripts/bench_recovery.py --trainer real --bed netns --fault kill,stop,partition --repeat 3
+    ... --no-fast-recovery       # as before the recovery work: every process compiles, no compile-ahead or standby
 
-The run's events stay in <workdir>/events.jsonl and its logs in <workdir>/logs/.
+--bed local: one process per host on this machine (faults kill, stop). --bed netns: hosts are network namespaces
+with their own sshd, reached over SSH (reve_jax/elastic/testbed.py; needs root; faults kill, stop, partition).
+Faults: kill = SIGKILL of the victim's worker; stop = SIGSTOP (alive, silent); partition = its link down. The
+victim and the step are drawn from --seed. With the fast recovery on, the fault waits until the next group size
+is compiled ahead and every host has a ready standby, as it would hours into a run. Each run's events and logs
+stay in <workdir>/<fault><i>/.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -21,6 +30,7 @@ import time
 from reve_jax.elastic import events as events_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SPLIT = ("detect", "kill", "spawn", "join", "restore", "compile", "first_step")
 
 TINY = [
     "--config.model.depth=1", "--config.model.width=32", "--config.model.heads=2", "--config.text.width=32",
@@ -31,22 +41,22 @@ TINY = [
 ]  # fmt: skip
 
 
-def read_events(workdir: str) -> list[dict]:
+def read_events(workdir: str, kind: str | None = None) -> list[dict]:
     path = os.path.join(workdir, "events.jsonl")
-    return events_file.read_events(path) if os.path.exists(path) else []
+    out = events_file.read_events(path) if os.path.exists(path) else []
+    return [r for r in out if kind is None or r["event"] == kind]
 
 
 def newest_step(workdir: str) -> int:
     """The last step process 0 logged to metrics.jsonl (-1 before the first)."""
     path = os.path.join(workdir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return -1
-    with open(path) as f:
-        lines = f.read().splitlines()
-    try:
-        return int(json.loads(lines[-1])["step"]) if lines else -1
-    except ValueError:
-        return -1
+    steps = [-1]
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                with contextlib.suppress(ValueError, KeyError):
+                    steps.append(int(json.loads(line)["step"]))
+    return steps[-1]
 
 
 def wait(cond, timeout: float, what: str):
@@ -59,77 +69,122 @@ def wait(cond, timeout: float, what: str):
     raise SystemExit(f"bench: timed out after {timeout:.0f} s waiting for {what}")
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--trainer", choices=("fake", "real"), default="fake")
-    p.add_argument("--hosts", type=int, default=4)
-    p.add_argument("--steps", type=int, default=0, help="run length (default 80 fake, 16 real)")
-    p.add_argument("--ckpt-every", type=int, default=0, help="checkpoint cadence (default 10 fake, 4 real)")
-    p.add_argument("--seed", type=int, default=None, help="picks the step and the host to kill")
-    p.add_argument("--gpus-per-host", type=int, default=0, help="GPUs per local process (default: CPU devices)")
-    p.add_argument("--readmit", action="store_true", help="the killed host may rejoin once its probe passes")
-    p.add_argument("--no-precompile", action="store_true", help="no compile-ahead (the launcher's flag)")
-    p.add_argument("--workdir", default="")
-    p.add_argument("--timeout", type=float, default=600.0)
-    args = p.parse_args()
-    rng = random.Random(args.seed)
+def kill_run(workdir: str) -> None:
+    """SIGKILLs every process of the run on this machine (the namespaces share its process table): workers,
+    standbys and compile-ahead jobs all carry the workdir on their command line."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if workdir.encode() in f.read() and int(pid) != os.getpid():
+                    os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            continue
+
+
+def one_run(args, fault: str, rep: int, bed) -> dict:
     real = args.trainer == "real"
-    steps = args.steps or (16 if real else 80)
-    every = args.ckpt_every or (4 if real else 10)
-    workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="bench_recovery_"))
-    kill_step = rng.randint(every + 1, max(every + 1, steps // 2))
-    victim = f"local{rng.randrange(args.hosts)}"
-    marker_dir = os.path.join(workdir, "broken")
-    os.makedirs(marker_dir, exist_ok=True)
-    if not args.readmit:
-        open(os.path.join(marker_dir, victim), "w").close()  # the killed host stays out: one recovery to time
+    rng = random.Random(f"{args.seed}-{fault}-{rep}")
+    steps, every = (400, 4) if real else (400, 10)
+    workdir = os.path.join(args.workdir, f"{fault}{rep}")
+    os.makedirs(workdir)
+    hosts = bed.hosts if bed else [f"local{i}" for i in range(args.hosts)]
+    victim = rng.randrange(len(hosts))
+    fault_step = rng.randint(every + 1, 2 * every + 1)
     script = (
         os.path.join(ROOT, "scripts", "train.py") if real else os.path.join(ROOT, "tests", "elastic_fake_worker.py")
     )
+    where = (
+        ["--hosts", ",".join(hosts), "--remote-dir", ROOT, "--python", sys.executable, "--devices-per-host", "2",
+         *[f"--ssh-arg={a}" for a in bed.ssh[1:]]]
+        if bed else ["--hosts", str(args.hosts), "--devices-per-host", "2"]
+    )  # fmt: skip
     argv = [
         sys.executable, os.path.join(ROOT, "scripts", "launch.py"), "--config", "configs/tiny.py",
-        "--workdir", workdir, "--hosts", str(args.hosts), "--script", script, "--marker-dir", marker_dir,
-        "--group-sizes", "auto" if real else "any", "--probe-interval", "1", f"--config.train.steps={steps}",
-        f"--config.train.ckpt_every={every}", f"--gpus-per-host={args.gpus_per_host}",
-        *(TINY if real else ["--worker-arg=--fake.step_time=0.1"]),
-        *(["--no-precompile"] if args.no_precompile else []),
+        "--workdir", workdir, "--script", script, *where, "--no-readmit", "--heartbeat-timeout", str(args.heartbeat),
+        "--group-sizes", "auto" if real else "any", f"--config.train.steps={steps}",
+        f"--config.train.ckpt_every={every}", *(TINY if real else ["--worker-arg=--fake.step_time=0.1"]),
+        *(["--no-fast-recovery"] if args.no_fast_recovery else []),
     ]  # fmt: skip
-    print(
-        f"bench: {args.trainer} worker, {args.hosts} hosts, {steps} steps, checkpoint every {every}; "
-        f"killing {victim} at step {kill_step}; workdir {workdir}",
-        flush=True,
-    )
     with open(os.path.join(workdir, "launcher.log"), "ab") as log:
         launcher = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            wait(lambda: newest_step(workdir) >= kill_step, args.timeout, f"step {kill_step}")
-            if real and not args.no_precompile:  # a failure hours into a run finds the next size compiled
-                ahead = lambda: any(r["event"] == "precompile" for r in read_events(workdir))  # noqa: E731
-                wait(ahead, args.timeout, "compile-ahead")
-            spawn = [r for r in read_events(workdir) if r["event"] == "spawn"][-1]
-            t_kill = time.time()
-            os.kill(spawn["pids"][victim], signal.SIGKILL)
-            rec = wait(
-                lambda: [r for r in read_events(workdir) if r["event"] == "recovery"], args.timeout, "the recovery"
-            )[0]
-            fail = [r for r in read_events(workdir) if r["event"] == "failure"][0]
-            code = launcher.wait(timeout=args.timeout)
-        finally:
-            if launcher.poll() is None:
-                os.killpg(launcher.pid, signal.SIGKILL)
-    rows = [
-        ("kill -> failure detected (wall)", f"{fail['time'] - t_kill:7.2f} s"),
-        ("  detection (policy's view)", f"{rec['detection_s']:7.2f} s"),
-        ("  restart (kill group, spawn, connect)", f"{rec['restart_s']:7.2f} s"),
-        ("  restore (jax init, mesh, checkpoint)", f"{rec['restore_s']:7.2f} s"),
-        ("  first step (compile, first step)", f"{rec['first_step_s']:7.2f} s"),
-        ("kill -> training again (wall)", f"{rec['time'] - t_kill:7.2f} s"),
-        ("steps lost", f"{rec['lost_steps']:7d}   ({rec['last_step']} reached, {rec['restored_step']} restored)"),
-        ("group", f"{args.hosts} -> {rec['group_size']} hosts; launcher exit code {code}"),
-    ]
-    for name, value in rows:
-        print(f"{name:40s} {value}")
-    return 0 if code == 0 else 1
+    try:
+        wait(lambda: newest_step(workdir) >= fault_step, args.timeout, f"step {fault_step}")
+        if not args.no_fast_recovery:  # ready as it would be hours into a run
+            if real:
+                wait(lambda: read_events(workdir, "precompile"), args.timeout, "the compile-ahead")
+            wait(lambda: read_events(workdir, "standby_ready"), args.timeout, "the standbys")
+        attempt = read_events(workdir, "launch")[-1]["attempt"]
+        pids = {r["host"]: r["pid"] for r in read_events(workdir, "worker_pid") if r["attempt"] == attempt}
+        t_fault = time.time()
+        if fault == "partition":
+            bed.partition(victim)
+        else:
+            os.kill(pids[hosts[victim]], signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        rec = wait(lambda: read_events(workdir, "recovery"), args.timeout, "the recovery")[0]
+        fail = read_events(workdir, "failure")[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(timeout=30)
+        kill_run(workdir)
+        if bed and fault == "partition":
+            bed.heal(victim)
+    return {
+        **rec["split"],
+        "total_s": rec["total_s"],  # the split's sum: from the fault as the supervisor dates it (last beat, exit)
+        "wall": rec["time"] - t_fault,  # from the moment the fault was made -> every new process did a step
+        "detected_wall": fail["time"] - t_fault,
+        "lost_steps": rec["lost_steps"],
+        "group": f"{len(hosts)} -> {rec['group_size']}",
+        "victim": hosts[victim],
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trainer", choices=("fake", "real"), default="fake")
+    p.add_argument("--bed", choices=("local", "netns"), default="local")
+    p.add_argument("--fault", default="kill", help="comma list of kill, stop, partition (netns only)")
+    p.add_argument("--repeat", type=int, default=1, help="runs per fault (the table shows medians)")
+    p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--heartbeat", type=float, default=3.0, help="the launcher's --heartbeat-timeout (s)")
+    p.add_argument("--seed", type=int, default=0, help="picks the victim and the step")
+    p.add_argument("--no-fast-recovery", action="store_true", help="the launcher's flag: measure 'before'")
+    p.add_argument("--workdir", default="")
+    p.add_argument("--timeout", type=float, default=600.0, help="s to wait for any one thing")
+    args = p.parse_args()
+    faults = args.fault.split(",")
+    if "partition" in faults and args.bed != "netns":
+        p.error("a partition needs --bed netns")
+    args.workdir = os.path.abspath(args.workdir or tempfile.mkdtemp(prefix="bench_recovery_"))
+    os.makedirs(args.workdir, exist_ok=True)
+    print(f"bench: {args.trainer} worker on {args.bed} x {args.hosts} hosts, faults {faults} x {args.repeat}, "
+          f"{'no fast recovery' if args.no_fast_recovery else 'fast recovery'}; load {os.getloadavg()[0]:.1f}; "
+          f"runs in {args.workdir}", flush=True)  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        bed = None
+        if args.bed == "netns":
+            from reve_jax.elastic.testbed import NetnsBed
+
+            why = NetnsBed.unavailable()
+            if why:
+                raise SystemExit(f"bench: no namespace bed here: {why}")
+            bed = stack.enter_context(NetnsBed(args.hosts, os.path.join(args.workdir, "bed")))
+        results = {}
+        for fault in faults:
+            results[fault] = []
+            for rep in range(args.repeat):
+                r = one_run(args, fault, rep, bed)
+                results[fault].append(r)
+                print(f"{fault} {rep}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items() if isinstance(v, float))
+                      + f"; lost {r['lost_steps']} steps, {r['group']}, victim {r['victim']}", flush=True)  # fmt: skip
+    print(f"\nmedians (s), load {os.getloadavg()[0]:.1f} at the end")
+    head = ["fault", "runs", *SPLIT, "sum", "fault made -> training"]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for fault, rs in results.items():
+        cells = [f"{statistics.median(r[k] for r in rs):.2f}" for k in (*SPLIT, "total_s", "wall")]
+        print(f"| {fault} | {len(rs)} | " + " | ".join(cells) + " |")
+    return 0
 
 
 if __name__ == "__main__":

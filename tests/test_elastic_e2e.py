@@ -337,7 +337,8 @@ def test_real_trainer_kill_one_of_four_matches_uninterrupted_run(tmp_path, launc
     ref = str(tmp_path / "reference")
     _train_reference(ref)
     wd = str(tmp_path / "elastic")
-    args = ["--heartbeat-timeout", "5", "--no-readmit", *TINY]
+    # The kill comes before a compile ahead could finish: it would only slow this test (test_elastic_netns times it).
+    args = ["--heartbeat-timeout", "5", "--no-readmit", "--no-precompile", *TINY]
     run = launched(wd, 4, args, script=TRAIN, xla_flags=FAST_COMPILE)
     wait_until(lambda: last_metric_step(wd) >= 4, 240, "step 4 of the trainer")
     t_kill = time.time()

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import subprocess
 import sys
 import time
 
@@ -200,3 +201,56 @@ def test_slurm_job_loses_a_node_and_continues(tmp_path, slurm):
     with open(os.path.join(wd, "fake_ckpt.json")) as f:
         final = json.load(f)
     assert final["step"] == 60 and final["w"] == pytest.approx(fake_w(60), rel=1e-12)
+
+
+# ------------------------------------------------------------------------------------------ the real trainer
+def compile_ahead(cache: str, devices: int, overrides: list[str], xla_flags: str) -> None:
+    """What the supervisor's compile-ahead job does, done before the run: one process with `devices` CPU
+    devices compiles the step into `cache`."""
+    flags = f"{xla_flags} --xla_force_host_platform_device_count={devices}"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache, XLA_FLAGS=flags)
+    env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    argv = [sys.executable, "-m", "reve_jax.elastic.precompile", "--config", "configs/tiny.py", *overrides]
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_real_trainer_recovers_from_a_kill_on_warm_standbys_and_compiled_ahead(tmp_path, launched):
+    """scripts/train.py on 3 namespace hosts x 2 CPU devices (tiny model). The step for 2 hosts is compiled ahead
+    by one process with 4 devices before the run, as the supervisor's compile-ahead job does during one (its job
+    runs too, and finds it in the cache). Once every host has a warm standby, one host's worker is SIGKILLed: the
+    new group is the standbys, it loads the step from the cache instead of compiling it, and trains on."""
+    from test_elastic_e2e import FAST_COMPILE, TINY, TRAIN
+
+    overrides = [a for a in TINY if not a.startswith(("--config.train.steps", "--config.train.ckpt_every"))]
+    overrides += ["--config.train.steps=1000", "--config.train.ckpt_every=4"]
+    compile_ahead(str(tmp_path / "jax_cache"), 4, overrides, FAST_COMPILE)
+    with NetnsBed(3, str(tmp_path / "bed")) as bed:
+        wd = str(tmp_path / "run")
+        args = [
+            "--remote-dir", ROOT, "--python", sys.executable, *[f"--ssh-arg={a}" for a in bed.ssh[1:]],
+            "--devices-per-host", "2", "--heartbeat-timeout", "3", "--no-readmit", *overrides,
+        ]  # fmt: skip
+        run = launched(wd, ",".join(bed.hosts), args, script=TRAIN, xla_flags=FAST_COMPILE)
+        wait_until(lambda: events(wd, "precompile") and events(wd, "standby_ready"), 240, "compile-ahead, standbys")
+        assert events(wd, "precompile")[0]["hosts"] == 2 and events(wd, "precompile")[0]["code"] == 0
+        victim = bed.hosts[1]
+        pid = [r["pid"] for r in events(wd, "worker_pid") if r["host"] == victim][-1]
+        t_kill = time.time()
+        os.kill(pid, signal.SIGKILL)
+        rec = wait_until(lambda: events(wd, "recovery"), 120, "the recovery")[0]
+        restored = rec["restored_step"]
+        wait_until(lambda: last_metric_step(wd) >= restored + 3, 120, "three steps after the recovery")
+        os.kill(run.proc.pid, signal.SIGTERM)  # stop cleanly: save and exit 2
+        assert run.wait(120) == 2, run.output()
+    spawn = events(wd, "spawn")[-1]
+    print(f"real trainer on the bed: kill -> training again {rec['time'] - t_kill:.2f} s; split {rec['split']}")
+    assert sorted(spawn["standby"]) == sorted(h for h in bed.hosts if h != victim)
+    assert [r["reason"] for r in events(wd, "stopped")] == ["preempt"] and len(events(wd, "failure")) == 1
+    assert rec["split"]["spawn"] < 2 and rec["split"]["compile"] < 15  # no interpreter start, no XLA compile
+    compiled = r"compiled the train step for \d+x\d+ images in ([\d.]+)s"
+    first, again = (
+        float(re.search(compiled, read(os.path.join(wd, "logs", f"attempt{a}_{bed.hosts[0]}.log"))).group(1))
+        for a in (0, 1)
+    )
+    assert again < first / 2, (first, again)  # the new group loaded what one process compiled ahead

@@ -351,3 +351,27 @@ def test_mtbf_estimate_learns_from_the_runs_own_failures(weight):
     # 16 hosts: one more host for mtbf/16 s pays for 16 hosts idle 1 s when mtbf >= 256 s: the fixed guess (400 s)
     # says yes, the learned estimate ((400 + 29) / 2 = 214.5 s) says no.
     assert r.policy.readmit_pays(15, 16) == (weight > 1)
+
+
+def test_exiting_worker_may_fall_silent_and_a_lost_one_is_fenced_not_waited_for():
+    """A worker whose last beat said "exiting" (JAX's shutdown waits for the others) is not lost by heartbeat;
+    with fencing on, a host lost by heartbeat is not waited for once its group is killed."""
+    r = Run(heartbeat_timeout=2.0, startup_timeout=30.0)
+    r.train(3)
+    for h in r.group.hosts:
+        r.feed(P.Beat(r.t, 0, h, 3, "exiting", 0, ""))
+    r.tick(5.0)
+    assert not r.records("failure")
+    r.exit_all(0)
+    assert r.policy.done == P.Finish("finished", "every process exited 0")
+
+    r = Run(heartbeat_timeout=2.0, fenced=True, kill_timeout=15.0)
+    r.train(3)
+    for _ in range(6):  # h2 falls silent (cut off), the others beat on
+        r.t += 0.5
+        for h in ("h0", "h1", "h3"):
+            r.feed(P.Beat(r.t, 0, h, 3, "train", 0, ""))
+    assert r.records("failure")[0]["hosts"] == ["h2"] and r.records("fenced_off") == [{"attempt": 0, "host": "h2"}]
+    r.exit_all(-9, hosts=["h0", "h1", "h3"])  # the kill reaches the others; h2's process is never seen to exit
+    assert r.of(P.Launch)[-1] == P.Launch(1, ("h0", "h1", "h3"))
+    assert r.policy.likely_sizes() == [2, 4]  # one host fewer, or all four once h2 is back

@@ -25,7 +25,7 @@ import time
 from reve_jax.elastic import auth
 
 # Phases a worker reports before its state is restored (see policy.PRE_RESTORE_PHASES).
-_PRE_RESTORE = ("warming", "standby", "starting", "joining", "restoring")
+_PRE_RESTORE = ("warming", "standby", "starting", "joining", "restoring", "exiting")
 
 
 class _Handler(socketserver.StreamRequestHandler):
@@ -254,6 +254,12 @@ class HeartbeatClient:
                 self._start_step = int(step)
         if changed:
             self._wake.set()
+
+    def exiting(self) -> None:
+        """Marks the process as on its way out (phase "exiting", the step kept): silence is expected now."""
+        with self._lock:
+            step = self._step
+        self.update(step, "exiting")
 
     def note(self, wake: bool = False, **extra) -> None:
         """Adds fields to every following beat (e.g. compile seconds so far) without changing step or phase;

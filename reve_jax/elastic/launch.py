@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 
 from reve_jax.elastic import backends
 from reve_jax.elastic.policy import PolicyConfig
@@ -74,8 +75,16 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         action="store_true",
         help="no warm standby processes (imported, waiting) on the hosts for the next relaunch",
     )
+    p.add_argument(
+        "--no-fast-recovery",
+        action="store_true",
+        help="as before the recovery work (for comparisons): every process compiles for itself, no compile-ahead, "
+        "no standbys",
+    )
     p.add_argument("--quiet", action="store_true")
     args, rest = p.parse_known_args(argv)
+    if args.no_fast_recovery:
+        args.no_precompile = args.no_standby = True
     unknown = [a for a in rest if not a.startswith("--config.")]
     if unknown:
         p.error(f"unrecognised arguments: {unknown}")
@@ -115,7 +124,8 @@ def precompile_argv(args, overrides: list[str]) -> list[str]:
     """The compile-ahead job's command line, for the trainer only (another worker script has its own step)."""
     if not is_trainer(args):
         return []
-    return ["python", "-m", "reve_jax.elastic.precompile", "--config", args.config, *overrides]
+    workdir = os.path.abspath(args.workdir)  # not used by the job; names the run in its command line
+    return ["python", "-m", "reve_jax.elastic.precompile", "--config", args.config, "--workdir", workdir, *overrides]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -128,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.slurm or not args.hosts.isdigit():
         devices = args.gpus_per_host or args.devices_per_host or 0
         if args.devices_per_host:
+            # This machine's other XLA flags go along (the test bed's hosts are this machine).
+            flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
             cpu_env = {
-                "XLA_FLAGS": f"--xla_force_host_platform_device_count={args.devices_per_host}",
+                "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={args.devices_per_host}".strip(),
                 "JAX_PLATFORMS": "cpu",
             }
     if args.slurm:
@@ -183,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
             # A JAX with mTLS for its coordination service reads these on every host (docs/elastic.md).
             **{k: v for k, v in os.environ.items() if k.startswith("JAX_MTLS_")},
             "JAX_COMPILATION_CACHE_DIR": cache,
+            **({"REVE_SHARE_EXECUTABLES": "0"} if args.no_fast_recovery else {}),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
         },

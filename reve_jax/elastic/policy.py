@@ -33,6 +33,7 @@ from reve_jax.elastic.messages import (  # noqa: F401  (re-exported: the policy'
 )
 
 HEALTHY, QUARANTINED, EXCLUDED = "healthy", "quarantined", "excluded"
+EXITING = "exiting"  # the phase of a worker's last beat, sent by WorkerContext.close()
 LOST_REASONS = ("heartbeat lost", "no heartbeat after launch")  # unreachable: a kill may not reach the process
 EXIT_FENCED = -1000  # a lost member's stand-in exit code: not waited for, fenced off instead
 # Phases a worker reports before its state is restored: it has no meaningful step yet.
@@ -310,7 +311,7 @@ class Policy:
         for m in live:
             if m.first_beat_t is None and t - m.launched_t > c.startup_timeout:
                 lost.append((m, m.launched_t, "no heartbeat after launch"))
-            elif m.last_beat_t is not None and t - m.last_beat_t > c.heartbeat_timeout:
+            elif m.last_beat_t is not None and t - m.last_beat_t > self._silence_allowed(m):
                 lost.append((m, m.last_beat_t, "heartbeat lost"))
         if lost:
             self._fail(t, [m.host for m, _, _ in lost], lost[0][2], min(f for _, f, _ in lost), out)
@@ -329,6 +330,11 @@ class Policy:
             self._fail(t, blamed, "no progress (hung while the others waited)", fault_t, out)
         else:
             self._fail(t, [], "no progress on every host (culprit unknown)", fault_t, out)
+
+    def _silence_allowed(self, m: Member) -> float:
+        # A process that said it is exiting stops beating while JAX's shutdown waits for the others; its exit
+        # (or the start-up grace) settles it, not the heartbeat.
+        return self.config.startup_timeout if m.phase == EXITING else self.config.heartbeat_timeout
 
     def _grace(self, m: Member) -> float:
         return self.config.progress_timeout if m.phase == "train" else self.config.startup_timeout

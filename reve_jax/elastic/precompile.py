@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     """Returns 0 once every shape is compiled and in the cache."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
+    p.add_argument("--workdir", default="", help="the run's (unused: it names the run in the command line)")
     args, overrides = p.parse_known_args(argv)
     from reve_jax import xla
 

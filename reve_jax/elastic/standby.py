@@ -97,6 +97,10 @@ class StandbyPool:
         self._drop(s)
         return s
 
+    def ready(self, hosts: list[str]) -> bool:
+        """Whether every one of `hosts` has a standby that has finished its imports."""
+        return all(h in self.by_host and self.by_host[h].ready for h in hosts)
+
     def poll(self) -> None:
         """Forgets standbys that exited (they are restarted by the next `ensure`)."""
         for s in list(self.by_host.values()):

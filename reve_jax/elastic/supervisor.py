@@ -80,12 +80,14 @@ class Supervisor:
         self.procs: dict[tuple[int, str], object] = {}  # (attempt, host) -> Proc, until reported gone
         self.probes: dict[str, tuple[object, float]] = {}  # host -> (Proc, start time)
         self.probe_count = 0
+        self._pids_seen: set[tuple[int, str]] = set()
         self._signals = 0
         log_dir = os.path.join(workdir, "logs")
         self.ahead = None
         if worker.precompile_argv and worker.devices_per_host:
             self.ahead = AheadCompiler(worker.precompile_argv, worker.env, worker.devices_per_host, log_dir)
         self.standbys = None
+        self._standbys_logged = -1  # the group for which "every standby is ready" was recorded
         if worker.standby_imports:
             env = {**self._static_env(), "REVE_STANDBY_IMPORTS": worker.standby_imports}
             self.standbys = StandbyPool(backend.start, list(worker.argv), env, log_dir, clock)
@@ -116,6 +118,7 @@ class Supervisor:
                         continue
                     beat = _beat_from(t, msg)
                     if beat is not None:
+                        self._note_pid(beat, msg)
                         events.append(beat)
                 now = self.clock()
                 for (attempt, host), proc in list(self.procs.items()):
@@ -157,7 +160,11 @@ class Supervisor:
         if self.standbys is not None:
             self.standbys.poll()
             if training:
-                self.standbys.ensure(self.policy.usable())
+                usable = self.policy.usable()
+                self.standbys.ensure(usable)
+                if self.standbys.ready(usable) and self._standbys_logged != g.attempt:
+                    self._standbys_logged = g.attempt
+                    self.log.write("standby_ready", {"attempt": g.attempt, "hosts": usable})
         if self.ahead is None:
             return
         if training:
@@ -166,6 +173,13 @@ class Supervisor:
         for rec in self.ahead.poll(now):
             self.log.write("precompile", rec)
             self._say(f"supervisor: compiled ahead for {rec['hosts']} hosts in {rec['seconds']} s (code {rec['code']})")
+
+    def _note_pid(self, beat: P.Beat, msg: dict) -> None:
+        """Records each worker's process id on its host once (remote pids are known from beats only)."""
+        key = (beat.attempt, beat.host)
+        if key in self.procs and key not in self._pids_seen and isinstance(msg.get("pid"), int):
+            self._pids_seen.add(key)
+            self.log.write("worker_pid", {"attempt": beat.attempt, "host": beat.host, "pid": msg["pid"]})
 
     def _record_rejections(self) -> None:
         rejected = self.server.take_rejections()

@@ -63,8 +63,10 @@ class WorkerContext:
         return self._fence is not None and self._fence.fenced()
 
     def close(self) -> None:
-        """Sends the last state and stops the heartbeat thread."""
+        """Sends the last state (phase "exiting": the process may wait in JAX's shutdown without beating) and
+        stops the heartbeat thread."""
         if self._client is not None:
+            self._client.exiting()
             self._client.close()
             self._client = None
 
@@ -156,7 +158,8 @@ def _join_jax(env, ctx: WorkerContext) -> None:
     from reve_jax import xla
 
     # One compile per group instead of one per process, and executables compiled ahead for this group size.
-    xla.share_executables_between_processes()
+    if env.get("REVE_SHARE_EXECUTABLES", "1") != "0":
+        xla.share_executables_between_processes()
     # CPU processes talk through gloo; the option is harmless on GPU and may be gone in later versions.
     with contextlib.suppress(AttributeError, KeyError, ValueError):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
