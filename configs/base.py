@@ -110,6 +110,20 @@ def get_config() -> ml_collections.ConfigDict:
     lo.perceptual_t_min = 0.0  # LPIPS/DINO only where t >= this (t=1 clean); Linum's "t <= 0.7 noise" is 0.3
     lo.perceptual_dtype = "bfloat16"  # compute dtype of the frozen networks
 
+    # Latent diffusion (docs/latent.md): with `path` set the model denoises a frozen autoencoder's normalised latents
+    # instead of pixels; the batch still carries pixels and the train step encodes them. The rest sizes and trains
+    # the autoencoder (scripts/train_autoencoder.py).
+    c.latent = lt = ml_collections.ConfigDict()
+    lt.path = ""  # autoencoder weights (.npz); "" = pixel space
+    lt.channels = 16  # latent channels (checked against the file)
+    lt.downsample = 4  # pixels per latent cell side, a power of 2 (checked against the file)
+    lt.width = 32  # the autoencoder's stem channels (doubling per level, up to 4x)
+    lt.train_steps = 3000
+    lt.train_batch = 64
+    lt.train_lr = 2e-3
+    lt.train_noise = 0.1  # std of the noise added to latents while training the decoder (x the latents' std)
+    lt.latent_l2 = 1e-4  # weight of the L2 pull on the raw latents
+
     c.optim = o = ml_collections.ConfigDict()
     o.name = "adamw"  # adamw | muon (Muon for 2D hidden block weights, AdamW for the rest)
     o.lr = 2e-4  # peak learning rate (AdamW group; also Muon's unless muon_lr > 0)

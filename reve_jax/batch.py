@@ -36,6 +36,16 @@ def image_shape(cfg, hw: tuple[int, int] | None = None) -> tuple[int, int]:
     return tuple(hw) if hw is not None else (cfg.data.image_size, cfg.data.image_size)
 
 
+def model_shape(cfg, hw: tuple[int, int] | None = None) -> tuple[int, int, int]:
+    """(h, w, channels) of what the diffusion model denoises for images of shape `hw`: the pixels, or the
+    autoencoder's latents (latent.downsample smaller, latent.channels deep) when latent.path is set."""
+    h, w = image_shape(cfg, hw)
+    if cfg.latent.path:
+        f = cfg.latent.downsample
+        return h // f, w // f, cfg.latent.channels
+    return h, w, IMAGE_CHANNELS
+
+
 def spec(cfg, hw: tuple[int, int] | None = None, batch_size: int | None = None) -> dict[str, jax.ShapeDtypeStruct]:
     """Keys, shapes and dtypes of the device batch of `cfg` for images of shape `hw` (default data.image_size);
     `batch_size` defaults to train.global_batch."""

@@ -176,6 +176,20 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             )
         if m.ddt.enc_width % m.ddt.enc_heads or (m.ddt.enc_width // m.ddt.enc_heads) % 4:
             raise ConfigError(f"model.ddt.enc_heads={m.ddt.enc_heads} must split model.ddt.enc_width evenly by 4")
+    lt = cfg.latent
+    if lt.path:
+        f = lt.downsample
+        if f < 1 or f & (f - 1):
+            raise ConfigError(f"latent.downsample={f} must be a power of 2")
+        if d.image_size % (f * m.patch):
+            raise ConfigError(
+                f"data.image_size={d.image_size} must be divisible by latent.downsample x model.patch = {f * m.patch}"
+            )
+        if m.arch != "dit":
+            raise ConfigError("latent.path is set: latent diffusion runs model.arch='dit' (JIT-DDT works on pixels)")
+        on = [k for k in ("lpips_weight", "dino_weight", "repa_weight") if cfg.loss[k] > 0]
+        if on:
+            raise ConfigError(f"latent.path is set: the pixel-space losses {on} do not apply; set them to 0")
     lo = cfg.loss
     for term, path in (("lpips", lo.lpips_path), ("dino", lo.dino_path)):
         if lo[f"{term}_weight"] > 0 and not path:

@@ -6,6 +6,7 @@ block's attention and MLP, so they are counted too.
 
 from __future__ import annotations
 
+from reve_jax.batch import image_shape, model_shape
 from reve_jax.model.layers import swiglu_hidden  # noqa: F401 (re-exported)
 from reve_jax.model.routing import keep_count, route_span
 
@@ -19,7 +20,8 @@ def block_flops(tokens: int, width: int, mlp_hidden: int) -> float:
 
 
 def _pixels(cfg, hw) -> tuple[int, int]:
-    return tuple(hw) if hw is not None else (cfg.data.image_size, cfg.data.image_size)
+    """(h, w) of what the model denoises: the image, or its latents in a latent-space run."""
+    return model_shape(cfg, hw)[:2]
 
 
 def tower_flops(cfg, width, depth, patch, bottleneck, out_patch, context, routed, hw=None) -> float:
@@ -36,9 +38,10 @@ def tower_flops(cfg, width, depth, patch, bottleneck, out_patch, context, routed
         img = kept if start <= i < end else n
         total += block_flops(img + context, width, hidden)
         total += 2 * width * 6 * width  # adaLN modulation, once per image
-    pdim = patch * patch * 3
+    channels = model_shape(cfg, hw)[2]
+    pdim = patch * patch * channels
     embed = 2 * n * (pdim * bottleneck + bottleneck * width) if bottleneck else 2 * n * pdim * width
-    final = 2 * n * width * out_patch * out_patch * 3
+    final = 2 * n * width * out_patch * out_patch * channels
     text_in = cfg.text.width if cfg.text.encoder == "builtin" else cfg.text.emb_dim
     text_proj = 2 * cfg.text.max_len * text_in * width
     return total + embed + final + text_proj
@@ -64,5 +67,12 @@ def forward_flops_per_image(cfg, routed: bool | None = None, hw: tuple[int, int]
 
 
 def train_flops_per_image(cfg, hw: tuple[int, int] | None = None) -> float:
-    """Training FLOPs per image of size `hw` (default data.image_size squared): forward + backward (2x forward)."""
-    return 3.0 * forward_flops_per_image(cfg, hw=hw)
+    """Training FLOPs per image of size `hw` (default data.image_size squared): forward + backward (2x forward),
+    plus the frozen encoder's forward pass in a latent-space run (it encodes every training image)."""
+    total = 3.0 * forward_flops_per_image(cfg, hw=hw)
+    if cfg.latent.path:
+        from reve_jax import latent
+        from reve_jax.model.autoencoder import encoder_flops_per_image
+
+        total += encoder_flops_per_image(latent.ae_config(cfg), *image_shape(cfg, hw))
+    return total

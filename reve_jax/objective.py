@@ -31,12 +31,13 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from reve_jax import batch as batch_lib
-from reve_jax import diffusion
+from reve_jax import diffusion, latent
 from reve_jax.model.layers import dense
 from reve_jax.perceptual import losses as perceptual
 from reve_jax.perceptual import weights
 
 HEADS = "heads"
+AUTOENCODER = "autoencoder"
 
 
 # ---------------------------------------------------------------------------------------------------- Frozen nets
@@ -49,10 +50,13 @@ class FrozenNets:
 
 
 def load_frozen(cfg, mesh) -> FrozenNets:
-    """Load the networks the configured terms need (none when their weights are 0), replicated on `mesh`."""
+    """Load the networks the configured terms need (none when their weights are 0), and the autoencoder of a
+    latent-space run, replicated on `mesh`."""
     lo = cfg.loss
     dtype = jnp.dtype(lo.perceptual_dtype)
     modules = {}
+    if latent.enabled(cfg):
+        modules[AUTOENCODER] = latent.load(cfg)
     if lo.lpips_weight > 0:
         modules["lpips"] = weights.load_lpips(lo.lpips_path, dtype=dtype)
     if lo.dino_weight > 0 or lo.repa_weight > 0:
@@ -227,7 +231,10 @@ def make_loss_fn(cfg, graphdef, heads_graphdef, frozen_graphdefs: dict):
 
     def loss_fn(params, batch, key, frozen):
         model = nnx.merge(graphdef, model_params(params))
+        nets = {name: nnx.merge(frozen_graphdefs[name], frozen[name]) for name in frozen_graphdefs}
         x = diffusion.to_unit(batch["image"])  # uint8 from the pipeline
+        if AUTOENCODER in nets:  # latent diffusion: the model denoises the frozen encoder's latents
+            x = jax.lax.stop_gradient(nets[AUTOENCODER].encode(x))
         b = x.shape[0]
         k_t, k_noise, k_drop, k_route = jax.random.split(key, 4)
         t = diffusion.sample_t(k_t, b, dcfg)
@@ -237,7 +244,6 @@ def make_loss_fn(cfg, graphdef, heads_graphdef, frozen_graphdefs: dict):
         out, aux = model(z, t, batch_lib.text_inputs(batch), drop=drop, route_key=k_route if routed else None)
         per_sample, x_hat = diffusion.loss_terms(out, x, noise, z, t, dcfg)
         heads = nnx.merge(heads_graphdef, params[HEADS]) if heads_graphdef is not None else None
-        nets = {name: nnx.merge(frozen_graphdefs[name], frozen[name]) for name in frozen_graphdefs}
         ctx = Context(cfg, x, x_hat, z, noise, t, aux, heads, nets)
         terms = terms_of(cfg, ctx, per_sample)
         loss = sum(terms.values())

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from reve_jax import diffusion
+from reve_jax import diffusion, latent
+from reve_jax.batch import model_shape
 from reve_jax.data import tokenizer
 from reve_jax.objective import model_params
 
@@ -23,7 +24,8 @@ def encode_prompts(prompts: list[str], max_len: int) -> dict:
 
 def make_sampler(cfg, graphdef, *, steps=None, cfg_scale=None, sampler=None, route_guidance=None):
     """Returns a jitted fn(params, text, noise, key) -> images [B,H,W,3] in [-1,1]. Unset arguments come from
-    `cfg.sample`. Guidance uses one batched call of 2B (cond, uncond) per evaluation."""
+    `cfg.sample`. Guidance uses one batched call of 2B (cond, uncond) per evaluation. `noise` has the model's
+    shape (`fixed_noise`); in a latent-space run the generated latents are decoded by the run's autoencoder."""
     s = cfg.sample
     steps = steps or s.steps
     scale = s.cfg_scale if cfg_scale is None else cfg_scale
@@ -32,7 +34,9 @@ def make_sampler(cfg, graphdef, *, steps=None, cfg_scale=None, sampler=None, rou
     dcfg = cfg.diffusion
     guided = scale != 1.0
 
-    def fn(params, text, noise, key):
+    codec = latent.codec(cfg)
+
+    def fn(params, text, noise, key, ae_params=None):
         model = nnx.merge(graphdef, params)
         b = noise.shape[0]
         if guided:
@@ -56,17 +60,21 @@ def make_sampler(cfg, graphdef, *, steps=None, cfg_scale=None, sampler=None, rou
             return v
 
         x = diffusion.sample(velocity, noise, steps, sampler, dcfg.t_shift)
+        if codec is not None:
+            x = codec.decode(ae_params, x)
         return jnp.clip(x, -1.0, 1.0)
 
-    return jax.jit(fn)
+    jitted = jax.jit(fn)
+    if codec is None:
+        return jitted
+    return lambda params, text, noise, key: jitted(params, text, noise, key, codec.params)
 
 
 def fixed_noise(cfg, n: int, seed: int | None = None, hw: tuple[int, int] | None = None) -> np.ndarray:
-    """The evaluation noise [n, H, W, 3] (`hw`, default data.image_size squared): the same for every checkpoint
-    of a run, so sample grids are comparable."""
-    h, w = hw if hw is not None else (cfg.data.image_size, cfg.data.image_size)
+    """The evaluation noise [n, h, w, c] in the model's space (batch.model_shape) for images of shape `hw`
+    (default data.image_size squared): the same for every checkpoint of a run, so sample grids are comparable."""
     rng = np.random.default_rng(cfg.sample.seed if seed is None else seed)
-    return (cfg.diffusion.noise_scale * rng.standard_normal((n, h, w, 3))).astype(np.float32)
+    return (cfg.diffusion.noise_scale * rng.standard_normal((n, *model_shape(cfg, hw)))).astype(np.float32)
 
 
 def render_from_checkpoint(

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from reve_jax import diffusion
+from reve_jax import diffusion, latent
+from reve_jax.batch import model_shape
 from reve_jax.data import pipeline
 
 DEFAULT_TIMES = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -63,11 +64,15 @@ def vloss_per_time(apply: Callable, images, text, noise, times, dcfg) -> jax.Arr
 
 def make_vloss_fn(cfg, graphdef) -> Callable:
     """Jitted fn(params, images, text, noise, times) -> f32 [T], for the model `graphdef` of `cfg` (captions on,
-    no routing: the model as it samples)."""
+    no routing: the model as it samples). In a latent-space run the images are encoded first and the loss is
+    the latents' (noise in the model's shape, batch.model_shape)."""
     dcfg = cfg.diffusion
+    codec = latent.codec(cfg)
 
-    def fn(params, images, text, noise, times):
+    def fn(params, images, text, noise, times, ae_params=None):
         model = nnx.merge(graphdef, params)
+        if codec is not None:
+            images = codec.encode(ae_params, images)
 
         def apply(z, t, txt):
             out, _ = model(z, t, txt, drop=jnp.zeros((z.shape[0],), bool))
@@ -75,7 +80,10 @@ def make_vloss_fn(cfg, graphdef) -> Callable:
 
         return vloss_per_time(apply, images, text, noise, times, dcfg)
 
-    return jax.jit(fn)
+    jitted = jax.jit(fn)
+    if codec is None:
+        return jitted
+    return lambda params, images, text, noise, times: jitted(params, images, text, noise, times, codec.params)
 
 
 def heldout_vloss(
@@ -86,7 +94,8 @@ def heldout_vloss(
     "vloss_t<t>": per time}."""
     batch = heldout_batch(cfg, n) if batch is None else batch
     fn = make_vloss_fn(cfg, graphdef) if fn is None else fn
-    noise, ts = fixed_inputs(batch["image"].shape, times, cfg.diffusion.noise_scale, seed)
+    shape = (len(batch["image"]), *model_shape(cfg, batch["image"].shape[1:3]))
+    noise, ts = fixed_inputs(shape, times, cfg.diffusion.noise_scale, seed)
     text = {k: batch[k] for k in ("tokens", "text_emb", "text_mask") if k in batch}
     per_t = np.asarray(jax.device_get(fn(params, batch["image"], text, noise, ts)), np.float64)
     out = {"vloss": float(per_t.mean())}

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from reve_jax.batch import model_shape
 from reve_jax.model import routing
 from reve_jax.model.layers import (
     Attention,
@@ -132,7 +133,8 @@ class DiT(nnx.Module):
             routing.route_span(depth, m.route.start, m.route.end) if self.route else (0, 0)
         )
 
-        self.patch_embed = PatchEmbed(self.patch, width, shape["bottleneck"], **kw)
+        channels = model_shape(cfg)[2]  # 3 for pixels, latent.channels for an autoencoder's latents
+        self.patch_embed = PatchEmbed(self.patch, width, shape["bottleneck"], channels=channels, **kw)
         self.time_embed = TimeEmbed(width, **kw)
         self.text = TextConditioner(cfg, vocab_size, width, with_encoder=with_text_encoder, **kw)
         hidden = swiglu_hidden(width, m.mlp_ratio, m.mlp_multiple_of)
@@ -148,7 +150,7 @@ class DiT(nnx.Module):
         else:
             self.blocks = nnx.List([DiTBlock(width, heads, hidden, rngs=rngs, **block_kw) for _ in range(depth)])
         self.depth = depth
-        self.final = FinalLayer(width, self.out_patch * self.out_patch * 3, eps=m.norm_eps, **kw)
+        self.final = FinalLayer(width, self.out_patch * self.out_patch * channels, eps=m.norm_eps, **kw)
 
     def __call__(
         self,

@@ -237,12 +237,12 @@ def grid_positions(height: int, width: int, patch: int) -> jax.Array:
 
 
 class PatchEmbed(nnx.Module):
-    """Pixels to tokens. With a bottleneck r > 0: p*p*3 -> r -> width, two linear maps and no nonlinearity
-    between (JiT); with r = 0 a single linear map (the DiT baseline)."""
+    """Pixels (or latents of `channels` channels) to tokens. With a bottleneck r > 0: p*p*C -> r -> width, two
+    linear maps and no nonlinearity between (JiT); with r = 0 a single linear map (the DiT baseline)."""
 
-    def __init__(self, patch: int, width: int, bottleneck: int, *, rngs, dtype, param_dtype):
+    def __init__(self, patch: int, width: int, bottleneck: int, *, channels: int = 3, rngs, dtype, param_dtype):
         self.patch = patch
-        pdim = patch * patch * 3
+        pdim = patch * patch * channels
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         if bottleneck > 0:
             self.proj_in = dense(pdim, bottleneck, ("patch", "bottleneck"), use_bias=False, **kw)

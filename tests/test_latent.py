@@ -1,0 +1,82 @@
+"""Latent diffusion: the autoencoder trains, saves and loads exactly; a run with latent.path set trains on its
+latents through the one train step, samples decode to pixels, FLOPs count the encoder, bad settings are clear
+errors."""
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from util import tiny_config
+
+from reve_jax import batch as batch_lib
+from reve_jax import builder, flops, latent, sampling, trainer
+from reve_jax.config import ConfigError
+from reve_jax.model import autoencoder
+
+AE = ("latent.channels=4", "latent.downsample=2", "latent.width=8", "latent.train_steps=30", "latent.train_batch=16")
+
+
+@pytest.fixture(scope="module")
+def ae_file(tmp_path_factory):
+    cfg = tiny_config(*AE)
+    model, info = latent.train(cfg, log_every=0)
+    path = autoencoder.save(model, tmp_path_factory.mktemp("ae") / "ae.npz", info)
+    return str(path), model
+
+
+def test_autoencoder_round_trip_and_normalised_latents(ae_file):
+    path, model = ae_file
+    loaded, meta = autoencoder.load(path)
+    assert meta["config"] == {"channels": 4, "downsample": 2, "width": 8} and meta["info"]["steps"] == 30
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(loaded)), strict=True):
+        np.testing.assert_array_equal(a, b)
+    cfg = tiny_config(*AE)
+    x = next(latent._batches(cfg, 64, 10**6))  # the images the statistics were measured on
+    z = np.asarray(loaded.encode(x))
+    assert z.shape == (64, 8, 8, 4)
+    np.testing.assert_allclose(z.reshape(-1, 4).mean(0), 0.0, atol=0.05)
+    np.testing.assert_allclose(z.reshape(-1, 4).std(0), 1.0, atol=0.05)
+    assert loaded.decode(z).shape == (64, 16, 16, 3)
+
+
+def test_missing_or_foreign_weights_are_clear_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="scripts/train_autoencoder.py"):
+        autoencoder.load(tmp_path / "none.npz")
+    np.savez(tmp_path / "other.npz", w=np.zeros(3))
+    with pytest.raises(ValueError, match="not an autoencoder file"):
+        autoencoder.load(tmp_path / "other.npz")
+
+
+def test_latent_run_trains_samples_pixels_and_counts_the_encoder(ae_file, tmp_path):
+    path, _ = ae_file
+    cfg = tiny_config(*AE, f"latent.path='{path}'", "model.patch=2", "train.steps=3", "sample.num=2")
+    assert batch_lib.model_shape(cfg) == (8, 8, 4)
+    run = builder.build(cfg)
+    assert run.setup.abstract_state["params"]["patch_embed"]["proj_in"]["kernel"].shape[0] == 2 * 2 * 4
+    pixel = tiny_config(*AE, "model.patch=4")  # the same 16 tokens on pixels
+    ae_cost = autoencoder.encoder_flops_per_image(latent.ae_config(cfg), 16, 16)
+    assert ae_cost > 0
+    assert flops.train_flops_per_image(cfg) == pytest.approx(3 * flops.forward_flops_per_image(cfg) + ae_cost)
+    assert flops.forward_flops_per_image(cfg) < flops.forward_flops_per_image(pixel)  # 16 values per token, not 48
+    summary = trainer.run(cfg, tmp_path / "run")
+    assert summary["step"] == 3
+    fn = sampling.make_sampler(cfg, run.setup.graphdef)
+    noise = sampling.fixed_noise(cfg, 2)
+    assert noise.shape == (2, 8, 8, 4)
+    state = run.init_state()
+    text = sampling.encode_prompts(["a small red circle in the center, on a white background"] * 2, cfg.text.max_len)
+    images = np.asarray(fn(state["ema"]["ema0"], text, noise, jax.random.key(0)))
+    assert images.shape == (2, 16, 16, 3) and np.abs(images).max() <= 1.0
+    assert list((tmp_path / "run" / "samples").glob("*.png"))
+
+
+def test_latent_settings_are_checked(ae_file):
+    path, _ = ae_file
+    with pytest.raises(ConfigError, match="divisible by latent.downsample x model.patch"):
+        tiny_config(*AE, f"latent.path='{path}'", "model.patch=16")
+    with pytest.raises(ConfigError, match="do not apply"):
+        tiny_config(*AE, f"latent.path='{path}'", "model.patch=2", "loss.repa_weight=0.5", "model.repa_block=0",
+                    "loss.dino_path='x.npz'")  # fmt: skip
+    cfg = tiny_config("latent.channels=8", "latent.downsample=2", f"latent.path='{path}'", "model.patch=2")
+    with pytest.raises(ValueError, match="latent.channels=8"):
+        latent.load(cfg)
