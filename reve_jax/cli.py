@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 from reve_jax import config
 
@@ -24,6 +25,69 @@ def load_config_or_exit(spec: str, overrides: list[str]):
         return config.load_config(spec, overrides)
     except config.ConfigError as e:
         sys.exit(f"config error: {e}")
+
+
+def dry_run_exit(what: str):
+    """End a --dry-run: one line saying what the command would have done, then exit 0 (nothing was compiled or
+    written)."""
+    print(f"dry run: {what}", flush=True)
+    sys.exit(0)
+
+
+def check_mesh_or_exit(cfg, num_devices: int | None = None):
+    """The (data, fsdp, tensor) mesh of `cfg.mesh` on this process's devices, or on `num_devices` devices that need
+    not exist here (an abstract mesh: shapes only), with `train.global_batch` checked to split over it. A mesh that
+    does not fit exits non-zero with the reason. Returns the mesh."""
+    from reve_jax import builder, sharding
+
+    try:
+        if num_devices is None:
+            mesh = sharding.make_mesh(cfg.mesh)
+        else:
+            from reve_jax.plan.memory import abstract_mesh
+
+            mesh = abstract_mesh(sharding.mesh_shape(cfg.mesh, num_devices))
+        builder.check_batch_split(cfg, mesh)
+    except sharding.MeshError as e:
+        sys.exit(f"config error: {e}")
+    return mesh
+
+
+def describe_mesh(mesh) -> str:
+    return " x ".join(f"{name} {size}" for name, size in mesh.shape.items())
+
+
+def check_inputs_or_exit(cfg) -> None:
+    """Every non-empty config key named `path` or `*_path` (shards, converted weights) must name an existing file
+    or directory; otherwise exit non-zero naming the keys."""
+
+    def paths(node, prefix):
+        for key, value in node.items():
+            if hasattr(value, "items"):
+                yield from paths(value, f"{prefix}{key}.")
+            elif (key == "path" or key.endswith("_path")) and isinstance(value, str) and value:
+                yield f"{prefix}{key}", value
+
+    missing = [f"{key}={value!r}" for key, value in paths(cfg, "") if not Path(value).exists()]
+    if missing:
+        sys.exit(f"error: input not found: {', '.join(missing)}")
+
+
+def saved_config_or_exit(workdir) -> tuple[int, object]:
+    """(step, config) of the newest checkpoint of run directory `workdir`, read from its metadata (no array is
+    loaded); a directory without checkpoints exits non-zero."""
+    from reve_jax import checkpoint
+
+    if not (Path(workdir) / "checkpoints").is_dir():  # checked first: opening a Checkpointer creates the folder
+        sys.exit(f"error: {workdir} holds no checkpoints/: pass the workdir of a run")
+    ckpt = checkpoint.Checkpointer(workdir, async_save=False)
+    try:
+        if not ckpt.steps():
+            sys.exit(f"error: no complete checkpoint in {Path(workdir) / 'checkpoints'}")
+        step = ckpt.steps()[-1]
+        return step, config.from_json(ckpt.restore_meta(step)["config"])
+    finally:
+        ckpt.close()
 
 
 def start_worker():

@@ -107,9 +107,10 @@ def _host_setup(cfg):
     return train_state.make_setup(cfg, sharding.make_mesh(cfg.mesh, jax.devices("cpu")[:1]), frozen=False)
 
 
-def convert_workdir(src: str | Path, dst: str | Path, overrides: list[str] = ()) -> dict:
+def convert_workdir(src: str | Path, dst: str | Path, overrides: list[str] = (), *, dry_run: bool = False) -> dict:
     """Write the newest checkpoint of workdir `src`, converted to its config plus `overrides` ("a.b=v" or
-    "--config.a.b=v"), as the only checkpoint of the new workdir `dst` (with its config.json). Returns a summary."""
+    "--config.a.b=v"), as the only checkpoint of the new workdir `dst` (with its config.json). Returns a summary.
+    `dry_run`: only the checks on the configs and `dst` (no array is read or written); the summary has no leaves."""
     src, dst = Path(src), Path(dst)
     if jax.process_count() > 1:
         raise ConversionError("convert in a single process (not under the elastic launcher)")
@@ -137,6 +138,8 @@ def convert_workdir(src: str | Path, dst: str | Path, overrides: list[str] = ())
                 + "); these would change the weights: "
                 + ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in other.items())
             )
+        if dry_run:
+            return {"step": int(step), "leaves": None, "changed": changes}
         old_setup, new_setup = _host_setup(old_cfg), _host_setup(new_cfg)
         try:
             state, meta = reader.restore(step, old_setup.abstract_state)

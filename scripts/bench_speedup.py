@@ -18,7 +18,7 @@ import os
 import platform
 from pathlib import Path
 
-from reve_jax import xla
+from reve_jax import cli, config, xla
 from reve_jax.eval import speedup
 
 SIZES = Path(__file__).resolve().parents[1] / "configs" / "speedup"
@@ -32,10 +32,27 @@ def size_path(size: str) -> Path:
     return path
 
 
+def dry_run(size, extra: tuple[str, ...], args) -> None:
+    """Load every method's run config (at the first LR and seed), check its mesh and batch split, and exit 0."""
+    if args.dinov2 and not Path(args.dinov2).is_file():
+        raise SystemExit(f"error: input not found: {args.dinov2}")
+    for method in ("baseline", *size.methods):
+        try:
+            cfg = speedup.build_config(size, method, size.lrs[0], size.seeds[0], extra)
+        except config.ConfigError as e:
+            raise SystemExit(f"config error ({method}): {e}") from None
+        mesh = cli.check_mesh_or_exit(cfg)
+    runs = len(size.lrs) + len(size.seeds) * (1 + len(size.methods)) - 1
+    cli.dry_run_exit(
+        f"would train {runs} runs of {size.steps} steps ({size.name}: baseline at LRs {list(size.lrs)}, then "
+        f"{', '.join(size.methods)} on seeds {list(size.seeds)}) on mesh {cli.describe_mesh(mesh)} into {args.out}"
+    )
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="cpu", help="a size name (configs/speedup/<size>.py) or a size file")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", help="output directory (default runs/speedup_<size>)")
     p.add_argument("--methods", help="comma-separated methods (default: the size's: recipe and each technique)")
     p.add_argument("--seeds", help="comma-separated seeds (default: the size's)")
     p.add_argument("--lrs", help="comma-separated baseline LR sweep (default: the size's)")
@@ -47,8 +64,14 @@ def main(argv=None):
     p.add_argument("--cache", help="feature-net and compilation cache directory (default: <out>/cache)")
     p.add_argument("--config", action="append", default=[], help="extra override for every run, a.b=value")
     p.add_argument("--rescore", action="store_true", help="recompute alignment of a finished --out from its images")
+    p.add_argument("--dry-run", action="store_true", help="check the size, the run configs and the mesh, then exit")
     args = p.parse_args(argv)
+    args.out = args.out or f"runs/speedup_{Path(args.size).stem}"
     if args.rescore:
+        if args.dry_run:
+            if not Path(args.out).is_dir():
+                raise SystemExit(f"error: {args.out} is not a directory: pass the --out of a finished benchmark")
+            cli.dry_run_exit(f"would rescore the runs listed in {Path(args.out) / 'results.json'} from their images")
         speedup.rescore(args.out)
         print((Path(args.out) / "speedup.md").read_text())
         return
@@ -67,6 +90,8 @@ def main(argv=None):
         "n_eval": args.n_eval,
     }
     size = dataclasses.replace(size, **{k: v for k, v in changes.items() if v is not None})
+    if args.dry_run:
+        dry_run(size, tuple(extra), args)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     out = Path(args.out)
     xla.enable_compile_cache(Path(args.cache or out / "cache") / "xla")

@@ -17,15 +17,18 @@ def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--src", required=True, help="workdir of the run to convert (only read)")
     parser.add_argument("--dst", required=True, help="new workdir that receives the converted checkpoint")
+    parser.add_argument("--dry-run", action="store_true", help="check the conversion is allowed, write nothing")
     args, overrides = parser.parse_known_args(argv)
     cli.setup_logging()
     bad = [o for o in overrides if not o.startswith("--config.")]
     if bad:
         sys.exit(f"error: unrecognised arguments {bad}; changes look like --config.model.scan_layers=True")
     try:
-        summary = convert.convert_workdir(args.src, args.dst, overrides)
+        summary = convert.convert_workdir(args.src, args.dst, overrides, dry_run=args.dry_run)
     except (convert.ConversionError, checkpoint.CheckpointError, config.ConfigError) as e:
         sys.exit(f"conversion error: {e}")
+    if args.dry_run:
+        cli.dry_run_exit(f"would write step {summary['step']} to {args.dst}; changed: {summary['changed']}")
     print(f"wrote step {summary['step']} ({summary['leaves']} arrays) to {args.dst}; changed: {summary['changed']}")
     return summary
 

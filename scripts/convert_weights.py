@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-# Run as `python scripts/convert_weights.py` from a checkout: make the package importable without installing.
-from reve_jax.perceptual.weights import convert_dinov2, convert_lpips
+from reve_jax import cli
+from reve_jax.perceptual.weights import convert_dinov2, convert_lpips, shipped_lpips_heads
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -33,7 +33,18 @@ def main(argv: list[str] | None = None) -> Path:
     dn.add_argument("--src", required=True, help=".pth (hub), .safetensors, or a save_pretrained directory")
     dn.add_argument("--out", required=True)
     dn.add_argument("--num-heads", type=int, default=None, help="default: config.json, else width // 64")
+    for p in (lp, dn):
+        p.add_argument("--dry-run", action="store_true", help="check the inputs exist, then exit")
     args = parser.parse_args(argv)
+    if args.dry_run:
+        try:
+            inputs = [args.vgg, args.lin or shipped_lpips_heads()] if args.kind == "lpips" else [args.src]
+        except FileNotFoundError as e:  # lpips is not installed
+            raise SystemExit(f"error: {e}") from None
+        missing = [str(p) for p in inputs if not Path(p).exists()]
+        if missing:
+            raise SystemExit(f"error: input not found: {', '.join(missing)}")
+        cli.dry_run_exit(f"would convert {args.kind} from {' + '.join(map(str, inputs))} into {args.out}")
     if args.kind == "lpips":
         out = convert_lpips(args.vgg, args.lin, args.out)
     else:

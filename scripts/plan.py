@@ -25,6 +25,7 @@ def main(argv=None):
     parser.add_argument("--top", type=int, default=8, help="fitting candidates to list")
     parser.add_argument("--check-compiled", action="store_true", help="compile on emulated CPU devices too")
     parser.add_argument("--json", default="", help="write the plan and candidates here")
+    parser.add_argument("--dry-run", action="store_true", help="check the config and the mesh, then exit")
     args, overrides = parser.parse_known_args(argv)
     if args.check_compiled:  # before JAX starts: as many CPU devices as the mesh needs
         flags = os.environ.get("XLA_FLAGS", "")
@@ -35,6 +36,13 @@ def main(argv=None):
     from reve_jax.plan import memory
 
     cfg = cli.load_config_or_exit(args.config, overrides)
+    if args.dry_run:
+        mesh = cli.check_mesh_or_exit(cfg, args.devices)
+        cli.dry_run_exit(
+            f"would plan {cfg.name} on {args.devices} devices as {cli.describe_mesh(mesh)} against "
+            f"{args.gpu_mem_gib:g} GiB x {args.mem_fraction:g} per device"
+            + (", then compile it on as many CPU devices" if args.check_compiled else "")
+        )
     flash = memory.flash_for(cfg, "cpu" if args.check_compiled else "gpu")
     try:
         p, sizer = memory.plan(cfg, args.devices, args.gpu_mem_gib, args.mem_fraction, flash)

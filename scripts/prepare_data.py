@@ -20,8 +20,9 @@ captions are skipped and listed in <out>/manifest.json.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
-# Run as `python scripts/prepare_data.py` from a checkout: make the package importable without installing.
+from reve_jax import cli
 from reve_jax.data import buckets, prepare
 
 
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> dict:
         p.add_argument("--workers", type=int, default=None, help="decode processes (default: all cores; 0: none)")
         p.add_argument("--overwrite", action="store_true", help="start over instead of resuming")
         p.add_argument("--no-progress", action="store_true")
+        p.add_argument("--dry-run", action="store_true", help="check the options and the inputs, then exit")
     for p in (folder, wds):
         p.add_argument("--resolution", type=int, required=True, help="square side, or the bucket token budget")
         p.add_argument("--min-side", type=int, default=0, help="skip smaller images (default: resolution/2)")
@@ -59,6 +61,11 @@ def main(argv: list[str] | None = None) -> dict:
         p.add_argument("--bucket-multiple", type=int, default=None, help="bucket sides multiple of (default: patch)")
         p.add_argument("--aspect-ratios", default=",".join(buckets.DEFAULT_RATIOS), help="W:H list for buckets")
     args = parser.parse_args(argv)
+    inputs = [args.src] if args.kind == "folder" else getattr(args, "tars", [])
+    if args.dry_run:  # checked before the sources open them (a folder source lists its images)
+        missing = [p for p in [*inputs, args.encoder_path] if p and not Path(p).exists()]
+        if missing:
+            raise SystemExit(f"error: input not found: {', '.join(missing)}")
 
     if args.kind == "synthetic":
         source = prepare.SyntheticSource(args.num, args.image_size, args.max_objects, args.seed, args.shard_size)
@@ -75,6 +82,12 @@ def main(argv: list[str] | None = None) -> dict:
         )
         spec = prepare.ImageSpec(
             args.resolution, bucket_list, args.image_format, args.jpeg_quality, min_side=args.min_side
+        )
+    if args.dry_run:
+        size = f"{spec.resolution} px" + (f" in {len(spec.buckets)} aspect buckets" if spec.buckets else "")
+        cli.dry_run_exit(
+            f"would prepare {' '.join([args.kind, *inputs])} into {args.out} ({source.num_units()} shards) at {size}, "
+            f"{args.image_format} images, encoder {args.encoder}"
         )
     encoder = None
     if args.encoder != "none":

@@ -4,6 +4,7 @@ python scripts/sample.py --workdir runs/tiny --prompt "a large red circle in the
 """
 
 import argparse
+from pathlib import Path
 
 from reve_jax import cli
 from reve_jax.config import CHOICES
@@ -19,8 +20,18 @@ def main(argv=None):
     parser.add_argument("--sampler", choices=CHOICES["sample.sampler"], default=None)
     parser.add_argument("--seed", type=int, default=0, help="noise seed")
     parser.add_argument("--raw", action="store_true", help="use the raw parameters instead of the first EMA")
+    parser.add_argument("--dry-run", action="store_true", help="check the run's config and mesh, then exit")
     args = parser.parse_args(argv)
     cli.setup_logging()
+    if args.dry_run:
+        step, cfg = cli.saved_config_or_exit(args.workdir)
+        mesh = cli.check_mesh_or_exit(cfg)
+        s = cfg.sample
+        cli.dry_run_exit(
+            f"would render {len(args.prompt)} images with step {step} of {args.workdir} ({cfg.name}, "
+            f"{args.sampler or s.sampler} x {args.steps or s.steps} steps, mesh {cli.describe_mesh(mesh)}) "
+            f"into {args.out or Path(args.workdir) / 'samples' / 'cli.png'}"
+        )
     from reve_jax import sampling
 
     out = sampling.render_from_checkpoint(

@@ -15,6 +15,7 @@ import dataclasses
 import json
 from pathlib import Path
 
+from reve_jax import cli
 from reve_jax.plan import cluster, interval, report, sim
 
 
@@ -26,6 +27,7 @@ def main(argv=None):
     parser.add_argument("--compare-spares", type=int, default=0, help="with --compare: also both with N spares")
     parser.add_argument("--recommend", action="store_true", help="sweep the checkpoint interval")
     parser.add_argument("--json", default="", help="write the result(s) here")
+    parser.add_argument("--dry-run", action="store_true", help="check the options, then exit")
     cluster.add_arguments(parser)
     args = parser.parse_args(argv)
 
@@ -35,6 +37,14 @@ def main(argv=None):
         base = dataclasses.replace(base, **fields)
     policy = args.policy or policy
     c = cluster.config_from_args(args, base)
+    if args.dry_run:
+        spares = f" (and both with {args.compare_spares} spares)" if args.compare_spares else ""
+        what = f"compare isolate and restart-all{spares}" if args.compare else f"simulate policy {policy}"
+        cli.dry_run_exit(
+            f"would {what} over {c.days:g} days of {c.hosts:,} hosts x {c.gpus_per_host} GPUs"
+            + (", then sweep the checkpoint interval" if args.recommend else "")
+            + (f"; results to {args.json}" if args.json else "")
+        )
     out = {}
     if args.compare:
         results = interval.compare_policies(c, args.compare_spares)

@@ -19,9 +19,18 @@ def main(argv=None):
     parser.add_argument("--config", required=True, help="config file, optionally path:arg")
     parser.add_argument("--workdir", required=True, help="run directory (checkpoints, metrics, samples)")
     parser.add_argument("--fresh", action="store_true", help="start at step 0 even where checkpoints exist")
+    parser.add_argument("--dry-run", action="store_true", help="check the config, inputs and mesh, then exit")
     args, overrides = parser.parse_known_args(argv)
     worker = cli.start_worker()
     cfg = cli.load_config_or_exit(args.config, overrides)
+    if args.dry_run:
+        cli.check_inputs_or_exit(cfg)
+        mesh = cli.check_mesh_or_exit(cfg)
+        tr = cfg.train
+        cli.dry_run_exit(
+            f"would train {cfg.name} for {tr.steps} steps of {tr.global_batch} images at {cfg.data.image_size} px "
+            f"on mesh {cli.describe_mesh(mesh)} into {args.workdir}"
+        )
     summary = cli.train(cfg, args.workdir, worker, fresh=args.fresh)
     logging.getLogger("reve_jax").info("done: %s", summary)
 

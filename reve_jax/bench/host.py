@@ -19,7 +19,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from reve_jax import checkpoint
+from reve_jax import checkpoint, cli, config
 from reve_jax.bench import throughput
 from reve_jax.data import pipeline
 
@@ -115,15 +115,29 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--gb", type=float, default=1.0, help="ckpt: state size in GB")
     p.add_argument("--leaves", type=int, default=64, help="ckpt: arrays in the state")
     p.add_argument("--json", default=None, help="append the rows to this JSON-lines file")
+    p.add_argument("--dry-run", action="store_true", help="check the options and the config, then exit")
     args, overrides = p.parse_known_args(argv)
     bad = [o for o in overrides if not o.startswith("--config.")]
     if bad:
         p.error(f"unrecognised arguments {bad}; config overrides look like --config.data.worker_threads=4")
     rows = []
     if args.what == "input":
-        cfg = throughput.load_bench_config(args.preset, args.config, args.batch, False, overrides)
+        try:
+            cfg = throughput.load_bench_config(args.preset, args.config, args.batch, False, overrides)
+        except config.ConfigError as e:
+            raise SystemExit(f"config error: {e}") from None
+        if args.dry_run:
+            cli.check_inputs_or_exit(cfg)
+            d = cfg.data
+            cli.dry_run_exit(
+                f"would time {args.repeats} x {args.batches} batches of {args.batch} {d.image_size} px images from "
+                f"the {d.name} data of {args.config or args.preset} ({d.worker_threads} threads, "
+                f"{d.worker_processes} processes)"
+            )
         rows.append(input_rate(cfg, args.batches, args.repeats))
     else:
+        if args.dry_run:
+            cli.dry_run_exit(f"would time plain and staged saves of a {args.gb:g} GB state in {args.leaves} arrays")
         rows += [save_blocking(args.gb, args.leaves, staged) for staged in (False, True)]
     for row in rows:
         _print(row, args.json)

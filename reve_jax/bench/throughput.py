@@ -26,7 +26,7 @@ from pathlib import Path
 import jax
 
 from reve_jax import batch as batch_lib
-from reve_jax import builder, checkpoint, config, flops, hooks, loop, metrics
+from reve_jax import builder, checkpoint, cli, config, flops, hooks, loop, metrics
 from reve_jax.bench.peer import attention_check, run_peer
 from reve_jax.model import layers
 from reve_jax.xla import enable_compile_cache
@@ -70,6 +70,22 @@ class _Collect(logging.Handler):
 
     def emit(self, record):
         self.messages.append(record.getMessage())
+
+
+def dry_run(args, cfgs) -> None:
+    """--dry-run: check each config's inputs, mesh and batch split, print what would run and exit 0."""
+    for cfg in cfgs:
+        cli.check_inputs_or_exit(cfg)
+        mesh = cli.check_mesh_or_exit(cfg)
+    peer = ""
+    if args.peer:
+        found = (Path(args.peer_ref) / "models.py").is_file()
+        peer = f", beside the PyTorch DiT from {args.peer_ref}/models.py ({'found' if found else 'missing'})"
+    timing = "compile only" if args.compile_only else f"{args.warmup} + {args.repeats} x {args.steps} steps"
+    cli.dry_run_exit(
+        f"would benchmark {args.config or args.preset} with TREAD {args.tread} at batch "
+        f"{cfgs[0].train.global_batch} on mesh {cli.describe_mesh(mesh)}: {timing}{peer}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- Ours
@@ -326,6 +342,7 @@ def parse_args(argv=None):
     p.add_argument("--compile-only", action="store_true", help="compile from shapes and report memory, no timing")
     p.add_argument("--ours", default="on", choices=("on", "off"), help="time reve_jax (off: the peer alone)")
     p.add_argument("--table-from", default=None, help="only print the table of the rows in this JSON-lines file")
+    p.add_argument("--dry-run", action="store_true", help="check the configs, inputs and mesh, then exit")
     args, overrides = p.parse_known_args(argv)
     bad = [o for o in overrides if not o.startswith("--config.")]
     if bad:
@@ -352,7 +369,12 @@ def main(argv=None) -> list[dict]:
     for noisy in ("absl", "orbax", "jax._src"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     treads = {"on": [True], "off": [False], "both": [False, True]}[args.tread]
-    cfgs = [load_bench_config(args.preset, args.config, args.batch, t, overrides) for t in treads]
+    try:
+        cfgs = [load_bench_config(args.preset, args.config, args.batch, t, overrides) for t in treads]
+    except config.ConfigError as e:
+        raise SystemExit(f"config error: {e}") from None
+    if args.dry_run:
+        dry_run(args, cfgs)
     cache = args.compile_cache or cfgs[0].train.compile_cache
     if cache:
         enable_compile_cache(cache)
