@@ -6,7 +6,7 @@ import importlib
 from reve_jax.config import apply_override
 
 SIZES = ("tiny", "jit_b16", "prx_1b")
-TECHNIQUES = ("jit", "bottleneck", "tread", "muon", "ddt")
+TECHNIQUES = ("jit", "bottleneck", "tread", "muon", "ddt", "latent", "smallpatch")
 RECIPE = ("jit", "bottleneck", "tread", "muon")
 
 
@@ -57,6 +57,17 @@ def apply(c, technique: str, bottleneck_rank: int):
         c.model.ddt.enc_heads = c.model.heads
         c.model.ddt.enc_depth = max(1, c.model.depth // 4)
         c.diffusion.t_eps = 0.1
+    elif technique == "latent":
+        # Linum's baseline: a DiT on the latents of an autoencoder (f=4, 16 channels), at the pixel model's token
+        # count (64 latent values per token at the CPU sizes). latent.path must name the trained autoencoder: a
+        # default location fails with a clear error until scripts/train_autoencoder.py writes it there.
+        side = c.data.image_size // c.model.patch  # tokens per side of the pixel model
+        c.latent.channels = 16
+        c.latent.downsample = 4 if c.data.image_size <= 64 else 8
+        c.model.patch = max(1, c.data.image_size // c.latent.downsample // side)
+        c.latent.path = c.latent.path or f"weights/autoencoder_{c.data.image_size}px.npz"
+    elif technique == "smallpatch":  # JiT's working pixel baseline: 4 px patches, 48 values per token
+        c.model.patch = 4
     else:
         raise ValueError(f"unknown technique {technique!r}; choose from {TECHNIQUES}")
     c.name = f"{c.name}+{technique}"
