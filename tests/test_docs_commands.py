@@ -73,6 +73,7 @@ QUICK = {
     "scripts/launch.py": HELP,  # supervises training processes on hosts or a SLURM allocation
     "scripts/bench_recovery.py": HELP,  # a 4-host elastic run with a kill: a minute or more
     "scripts/evaluate.py": HELP,  # samples hundreds of images from a run and scores them
+    "scripts/train_autoencoder.py": HELP,  # trains an autoencoder (minutes); has no --dry-run yet
     "scripts/device_bench.sh": Quick((), "", before=("-n",)),  # the GPU rows (SMOKE=1: minutes on a CPU): syntax
     "pytest": Quick(("--collect-only", "-p", "no:cacheprovider"), "tests collected"),  # the suite: collected
     "reve_jax.elastic.probe": Quick((), ""),  # a matmul on each device: runs as is
