@@ -40,7 +40,10 @@ def wait_for_assignment(env, secret: bytes) -> dict:
     client.update(-1, "warming")
     client.start()
     for name in filter(None, env.get("REVE_STANDBY_IMPORTS", "jax").split(",")):
-        importlib.import_module(name)
+        try:
+            importlib.import_module(name)
+        except ImportError as e:  # an optional module (TensorBoard): the worker does without it, or fails itself
+            print(f"standby: cannot import {name} ({e})", file=sys.stderr, flush=True)
     client.update(-1, "standby")
     assignment = client.wait_assignment()
     client.close(flush=False)
