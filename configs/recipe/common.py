@@ -86,18 +86,41 @@ def build(arg: str | None, default_techniques: tuple[str, ...]):
     return c
 
 
+# The speedup benchmark's methods as techniques on the pixel v-prediction DiT (`baseline`). The JIT-DDT recipe is
+# JiT's x-prediction with the bottleneck embedding and DDT's encoder-decoder towers (REPA and the perceptual losses
+# join when their target networks are given); the PRX variant adds TREAD and Muon.
+JIT_DDT = ("jit", "bottleneck", "ddt")
+METHODS = {
+    "latent": ("latent",),  # baseline A: Linum's comparison, a latent DiT over an autoencoder
+    "pixel": ("smallpatch",),  # baseline B: JiT's comparison, pixel v-prediction at 48 values per token
+    "pixel_p8": (),  # control: pixel v-prediction at the size's patch (JiT's failure regime)
+    "recipe": JIT_DDT,
+    "prx": (*JIT_DDT, "tread", "muon"),
+    "baseline": (),  # the plain DiT (configs/recipe/baseline.py)
+}
+
+
 def techniques_of(method: str) -> tuple[str, ...]:
-    """'baseline' -> (), 'recipe' -> RECIPE, 'recipe+ddt' -> RECIPE + ('ddt',), 'tread+muon' -> both."""
-    if method == "baseline":
-        return ()
-    if method.startswith("recipe"):
-        return RECIPE + tuple(t for t in method.split("+")[1:] if t)
-    return tuple(method.split("+"))
+    """A method's techniques: a METHODS name; `recipe-<t>` (the recipe without technique t: a leave-one-out
+    ablation); or techniques joined by + on the plain DiT ('tread+muon')."""
+    if method in METHODS:
+        return METHODS[method]
+    if method.startswith("recipe-"):
+        left_out = method.removeprefix("recipe-")
+        if left_out not in JIT_DDT:
+            raise ValueError(f"{method}: the recipe has no technique {left_out!r} to leave out ({JIT_DDT})")
+        return tuple(t for t in JIT_DDT if t != left_out)
+    techniques = tuple(method.split("+"))
+    unknown = [t for t in techniques if t not in TECHNIQUES]
+    if unknown:
+        raise ValueError(f"unknown method {method!r}: methods {sorted(METHODS)}, recipe-<t>, or + of {TECHNIQUES}")
+    return techniques
 
 
-def method_config(size: str, model: tuple[str, ...], train: tuple[str, ...], method: str):
+def method_config(size: str, model: tuple[str, ...], train: tuple[str, ...], method: str, frozen: dict | None = None):
     """A benchmark run's config: the `size` experiment config with the `model` overrides (model and data size), made
-    the baseline, the method's techniques switched on, then the `train` overrides (budget, batch, schedule)."""
+    the baseline, the method's techniques switched on, then the `train` overrides (budget, batch, schedule), then
+    the method's entry of `frozen` ({"lr", "cfg_scale"}: what the size's sweep chose)."""
     c = sized(size)
     for item in model:
         apply_override(c, item)
@@ -107,4 +130,10 @@ def method_config(size: str, model: tuple[str, ...], train: tuple[str, ...], met
         c = apply(c, t, rank)
     for item in train:
         apply_override(c, item)
+    chosen = (frozen or {}).get(method, {})
+    if "lr" in chosen:
+        c.optim.lr = float(chosen["lr"])
+    if "cfg_scale" in chosen:
+        c.sample.cfg_scale = float(chosen["cfg_scale"])
+    c.name = method
     return c

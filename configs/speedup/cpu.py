@@ -1,21 +1,36 @@
-"""Speedup benchmark, CPU size (about 25 minutes on 2 CPU cores): 32 px scenes in 8 px patches, so each of the 16
-image tokens carries 192 values for a width-128 model (patch dimension > width, JiT's regime, as ViT/16 at 256 px);
-a 3-block DiT, batch 32, 1,000 steps, evaluated 10 times on 96 held-out captions.
+"""Speedup benchmark, CPU size: the JIT-DDT recipe against a latent DiT (baseline A, Linum's comparison) on 32 px
+scenes of one object, 3 seeds, in about 30 minutes on 2 CPU cores. The recipe works in JiT's regime: 8 px patches,
+16 image tokens of 192 values for a width-128 model; baseline A denoises the 8x8x16 latents of an autoencoder in
+2x2 patches (16 tokens of 64 values). 3-block DiTs, batch 32, evaluated 20 times.
 
-    python scripts/bench_speedup.py --size cpu --out runs/speedup_cpu
+    python scripts/bench_speedup.py --size cpu --out runs/speedup_cpu                       # the headline
+    python scripts/bench_speedup.py --size cpu --out runs/speedup_cpu --methods further     # B, PRX, ablations
+    python scripts/bench_speedup.py --size cpu --out runs/sweep_cpu --sweep --methods latent,recipe
     python scripts/train.py --config configs/speedup/cpu.py:recipe --workdir runs/cpu_recipe   # one of its runs
 
-`get_config(method)`: method is baseline, recipe, recipe+ddt, or techniques joined by + (configs/recipe/common.py).
+`get_config(method)`: a method of configs/recipe/common.py (latent, pixel, pixel_p8, recipe, prx, recipe-<t>).
+FROZEN holds the LR and guidance scale per method that the sweep chose (docs/speedup.md has its table).
 """
 
 from configs.recipe import common
 from configs.speedup import shared
 from reve_jax.eval.speedup import Protocol
 
-PROTOCOL = Protocol(name="cpu", steps=1000, eval_every=100, n_eval=96, lrs=(1e-3, 2e-3, 4e-3), seeds=(0, 1))
+PROTOCOL = Protocol(
+    name="cpu",
+    steps=1500,
+    seeds=(0, 1, 2),
+    baseline="latent",
+    methods=("recipe",),
+    further=("pixel", "prx", "pixel_p8", "recipe-jit", "recipe-bottleneck", "recipe-ddt"),
+)
+FROZEN = {
+    "latent": {"lr": 2e-3, "cfg_scale": 3.0},
+    "recipe": {"lr": 2e-3, "cfg_scale": 3.0},
+}
 
 
 def get_config(method=None):
     return common.method_config(
-        "tiny", shared.cpu_model(image_size=32, patch=8), shared.cpu_train(PROTOCOL, batch=32), method or "recipe"
+        "tiny", shared.cpu_model(image_size=32, patch=8), shared.cpu_train(batch=32), method or "recipe", FROZEN
     )

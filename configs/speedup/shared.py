@@ -1,7 +1,7 @@
 """What the speedup sizes share: the protocol's settings for every run, and the CPU sizes' model."""
 
-# A cosine LR decayed to 0 over the run (No Train No Gain), no sample grids during the run, a checkpoint at every
-# evaluation (a killed benchmark resumes), the sampler and guidance fixed across methods.
+# A cosine LR decayed to 0 over the run (No Train No Gain), no sample grids during the run, one checkpoint kept
+# (the benchmark checkpoints at every evaluation, so a killed benchmark resumes), the sampler fixed across methods.
 COMMON_TRAIN = (
     "optim.schedule='cosine'",
     "optim.min_lr_ratio=0.0",
@@ -9,13 +9,7 @@ COMMON_TRAIN = (
     "train.stop_on_nan=True",
     "train.ckpt_keep=1",
     "sample.sampler='euler'",
-    "sample.cfg_scale=3.0",
 )
-
-
-def train_of(protocol) -> tuple[str, ...]:
-    """The protocol's budget and checkpoint cadence, with COMMON_TRAIN."""
-    return (*COMMON_TRAIN, f"train.steps={protocol.steps}", f"train.ckpt_every={protocol.eval_every}")
 
 
 def cpu_model(image_size: int, patch: int) -> tuple[str, ...]:
@@ -34,9 +28,9 @@ def cpu_model(image_size: int, patch: int) -> tuple[str, ...]:
     )
 
 
-def cpu_train(protocol, batch: int) -> tuple[str, ...]:
+def cpu_train(batch: int) -> tuple[str, ...]:
     return (
-        *train_of(protocol),
+        *COMMON_TRAIN,
         "data.worker_threads=1",
         f"train.global_batch={batch}",
         "optim.warmup_steps=50",

@@ -40,6 +40,8 @@ class EvalHook:
       n_eval, seed: held-out captions and the evaluation noise seed (quality.Evaluator).
       evaluator_kwargs: more Evaluator arguments (feature net cache, DINOv2 weights).
       on_eval: called with each new point.
+      n_final: the last evaluation is also made on this many captions, its metrics stored as `final_<name>`
+        (None: not).
     """
 
     timed = False
@@ -52,11 +54,13 @@ class EvalHook:
         seed: int,
         evaluator_kwargs: dict | None = None,
         on_eval: Callable[[dict], None] | None = None,
+        n_final: int | None = None,
     ):
         self.workdir = Path(workdir)
         self.every, self.n_eval, self.seed = every, n_eval, seed
         self.kwargs = dict(evaluator_kwargs or {})
         self.on_eval = on_eval
+        self.n_final = n_final
         self.path = self.workdir / "eval.jsonl"
         self.images_dir = self.workdir / "eval_images"
         self.evaluator: quality.Evaluator | None = None
@@ -96,6 +100,11 @@ class EvalHook:
             ema = ctx.state["ema"]["ema0"]
             images = self.evaluator.generate(ema)
             point.update(self.evaluator(ema, images=images))
+            if ctx.last and self.n_final:
+                final = quality.Evaluator(
+                    ctx.run.cfg, ctx.run.setup.graphdef, self.n_final, self.seed, mesh=ctx.run.mesh, **self.kwargs
+                )
+                point.update({f"final_{k}": v for k, v in final(ema).items()})
             if jax.process_index() == 0:
                 self.images_dir.mkdir(parents=True, exist_ok=True)
                 np.savez_compressed(self.images_dir / f"step_{ctx.step:07d}.npz", images=to_uint8(images))

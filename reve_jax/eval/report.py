@@ -1,4 +1,4 @@
-"""The speedup benchmark's outputs: results.json, a markdown table (speedup.md) and a plot of quality against
+"""The speedup benchmark's outputs: results.json, a markdown report (speedup.md) and a plot of quality against
 wall clock and against steps (speedup.png, matplotlib with the Agg backend)."""
 
 from __future__ import annotations
@@ -9,105 +9,90 @@ from pathlib import Path
 
 import numpy as np
 
-LABELS = {"baseline": "baseline (DiT)", "recipe": "full recipe"}
+LABELS = {
+    "latent": "baseline A: latent DiT (v-pred, autoencoder)",
+    "pixel": "baseline B: pixel DiT (v-pred, 48 values/token)",
+    "pixel_p8": "control: pixel DiT (v-pred, 192 values/token)",
+    "recipe": "JIT-DDT recipe",
+    "prx": "PRX variant (recipe + TREAD + Muon)",
+}
+COST_NAMES = {"step": "steps", "samples": "samples", "flops": "TFLOP", "wall_s": "wall s", "cpu_s": "CPU s"}
 
 
 def label(method: str) -> str:
-    return LABELS.get(method, f"baseline + {method}")
+    if method in LABELS:
+        return LABELS[method]
+    if method.startswith("recipe-"):
+        return f"recipe without {method.removeprefix('recipe-')}"
+    return method
 
 
-def _pm(v, fmt: str = "{:.0f}", scale: float = 1.0) -> str:
-    """(mean, std) -> 'mean ± std'; None -> 'not reached'."""
-    if v is None:
-        return "not reached"
-    m, s = v
-    return f"{fmt.format(m * scale)} ± {fmt.format(s * scale)}" if s else fmt.format(m * scale)
+def _ci(v, fmt: str = "{:.3f}", scale: float = 1.0) -> str:
+    """(value, lo, hi) -> 'value [lo, hi]'."""
+    if v is None or not math.isfinite(v[0]):
+        return "-"
+    m, lo, hi = (x * scale for x in v)
+    return fmt.format(m) if lo == hi else f"{fmt.format(m)} [{fmt.format(lo)}, {fmt.format(hi)}]"
 
 
-def _x(v) -> str:
-    return f"{v:.2f}x" if v is not None and math.isfinite(v) else "-"
-
-
-def _order(summary: dict) -> list[str]:
-    first = [m for m in ("baseline", "recipe") if m in summary]
-    return first + sorted(m for m in summary if m not in first)
-
-
-def baseline_gain(results: dict, metric: str, higher_is_better: bool) -> float | None:
-    """How far the chosen baseline runs moved on `metric` from their first to their final evaluation (mean over
-    seeds), positive when they got better; None without baseline runs."""
-    base = [r for r in results.get("runs", {}).values() if r["method"] == "baseline" and r.get("chosen")]
-    base = [r["curve"] for r in base if r["curve"] and metric in r["curve"][0]]
-    if not base:
-        return None
-    gain = float(np.mean([c[-1][metric] - c[0][metric] for c in base]))
-    return gain if higher_is_better else -gain
-
-
-def _floor_warning(results: dict, metric: str, name: str, higher_is_better: bool) -> str:
-    gain = baseline_gain(results, metric, higher_is_better)
-    if gain is None or gain > 0:
-        return ""
-    return (
-        f"**The baseline did not improve on {name} during its budget** (final no better than its first "
-        "evaluation): the target is its starting level, so reaching it means nothing and every time to target "
-        "for this metric is meaningless. Compare the final columns instead (quality at the same budget).\n\n"
-    )
+def _order(methods, baseline: str) -> list[str]:
+    methods = list(dict.fromkeys(methods))
+    return [baseline] * (baseline in methods) + [m for m in methods if m != baseline]
 
 
 def markdown_table(results: dict) -> str:
-    """The primary table (caption alignment) and a secondary one (FD-shapes and v-loss targets), markdown."""
-    primary = results["summary"].get("align_overall", {})
-    target = results["targets"].get("align_overall")
-    head = (
-        "| method | seeds reaching target | steps to target | samples | executed TFLOP | train wall s | "
-        "train CPU s | speedup steps | speedup wall | final align | final exact | final FD-shapes | final v-loss | "
-        "s/step |\n" + "|---" * 14 + "|\n"
-    )
-    lines = []
-    for m in _order(primary):
-        r = primary[m]
-        lines.append(
-            f"| {label(m)} | {r['reached']}/{r['seeds']} | {_pm(r['step'])} | {_pm(r['samples'])} | "
-            f"{_pm(r['flops'], '{:.1f}', 1e-12)} | {_pm(r['wall_s'], '{:.0f}')} | {_pm(r['cpu_s'], '{:.0f}')} | "
-            f"{_x(r['speedup_step'])} | {_x(r['speedup_wall_s'])} | {_pm(r['final_align_overall'], '{:.3f}')} | "
-            f"{_pm(r['final_align_exact'], '{:.3f}')} | {_pm(r['final_fd_shapes'], '{:.1f}')} | "
-            f"{_pm(r['final_vloss'], '{:.4f}')} | {r['s_per_step'] or float('nan'):.3f} |"
-        )
-    tgt = f"{target:.3f}" if target is not None else "-"
-    out = f"Target: the baseline's final caption alignment, {tgt} (mean over its seeds).\n\n"
-    out += _floor_warning(results, "align_overall", "caption alignment", True) + head + "\n".join(lines)
-    sec = ["| method | steps to baseline's final FD-shapes | speedup | steps to baseline's final v-loss | speedup |"]
-    sec.append("|---|---|---|---|---|")
-    fd, vl = results["summary"].get("fd_shapes", {}), results["summary"].get("vloss", {})
-    for m in _order(fd):
-        a, b = fd[m], vl.get(m, {"step": None, "speedup_step": None, "reached": 0, "seeds": 0})
-        sec.append(
-            f"| {label(m)} | {_pm(a['step'])} ({a['reached']}/{a['seeds']}) | {_x(a['speedup_step'])} | "
-            f"{_pm(b['step'])} ({b['reached']}/{b['seeds']}) | {_x(b['speedup_step'])} |"
-        )
-    t = results["targets"]
-    note = (
-        f"\n\nTargets: FD-shapes {t.get('fd_shapes', float('nan')):.2f}, v-loss {t.get('vloss', float('nan')):.4f} "
-        "(baseline finals, mean over seeds).\n\n"
-    )
-    note += _floor_warning(results, "fd_shapes", "FD-shapes", False) + _floor_warning(results, "vloss", "v-loss", False)
-    return out + note + "\n".join(sec) + "\n" + attribute_table(results)
+    """The gate, the time-to-target table (per cost, mean over seeds with a 95% bootstrap interval over seeds, and
+    the paired speedup), finals, and the per-attribute alignment."""
+    size, summary = results["size"], results["summary"]
+    baseline = size["baseline"]
+    lines = [f"Size `{size['name']}`: {size['steps']} steps per run, seeds {list(size['seeds'])}, evaluated every "
+             f"{max(1, size['steps'] // size['evals'])} steps on {size['n_eval']} held-out captions "
+             f"({size['n_final']} at the end). Intervals: 95% bootstrap over seeds.", ""]  # fmt: skip
+    gate = summary["gate"]
+    lines.append(("Validity gate passed: " if gate["ok"] else "**") + gate["why"] + ("" if gate["ok"] else "**"))
+    lines.append("")
+    paired = summary["paired"].get("align_overall", {})
+    if gate["ok"] and paired:
+        lines += [
+            "Time to the seed's baseline final caption alignment (crossing interpolated between evaluations and "
+            "held for two; `>` = not reached within the budget, the run's budget shown):",
+            "",
+            "| method | seeds reaching | " + " | ".join(COST_NAMES[k] for k in COST_NAMES) + " | speedup steps | "
+            "speedup wall | speedup CPU |",
+            "|---" * (5 + len(COST_NAMES)) + "|",
+        ]
+        for m in _order(paired, baseline):
+            r = paired[m]
+            mark = ">" if r["censored"] else ""
+            costs = [mark + _ci(r["cost"][k], "{:.0f}" if k != "flops" else "{:.1f}", 1e-12 if k == "flops" else 1)
+                     for k in COST_NAMES]  # fmt: skip
+            sp = ["<=" * r["censored"] + _ci(r["speedup"][k], "{:.2f}") + "x" for k in ("step", "wall_s", "cpu_s")]
+            lines.append(f"| {label(m)} | {r['reached']}/{r['seeds']} | " + " | ".join(costs + sp) + " |")
+        lines.append("")
+    finals = summary["finals"]
+    cols = [m for m in ("final_align_overall", "align_overall", "final_kid", "kid", "vloss") if any(
+        m in f for f in finals.values())]  # fmt: skip
+    if cols:
+        lines += ["Final quality (mean over seeds [95% interval]):", "",
+                  "| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]  # fmt: skip
+        for m in _order(finals, baseline):
+            lines.append(f"| {label(m)} | " + " | ".join(_ci(finals[m].get(c), "{:.4f}") for c in cols) + " |")
+    return "\n".join(lines) + "\n" + attribute_table(results)
 
 
 def attribute_table(results: dict) -> str:
-    """Final per-attribute caption alignment per method (mean over the chosen seeds), markdown; "" without runs."""
+    """Final per-attribute caption alignment per method (mean over seeds), markdown; "" without runs."""
     from reve_jax.eval.alignment import ATTRIBUTES
 
-    runs = [r for r in results.get("runs", {}).values() if r.get("chosen") and r["curve"]]
+    runs = [r for r in results.get("runs", []) if r["curve"]]
     if not runs:
         return ""
     lines = ["", "Final caption alignment per attribute (mean over seeds):", ""]
     lines.append("| method | " + " | ".join(ATTRIBUTES) + " | all checks of an image |")
     lines.append("|---" * (len(ATTRIBUTES) + 2) + "|")
-    for m in _order({r["method"]: None for r in runs}):
-        finals = [r["curve"][-1] for r in runs if r["method"] == m]
-        vals = [np.mean([f.get(f"align_{a}", np.nan) for f in finals]) for a in (*ATTRIBUTES, "exact")]
+    for m in _order([r["method"] for r in runs], results["size"]["baseline"]):
+        last = [r["curve"][-1] for r in runs if r["method"] == m]
+        vals = [np.mean([f.get(f"align_{a}", np.nan) for f in last]) for a in (*ATTRIBUTES, "exact")]
         lines.append(f"| {label(m)} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
     return "\n".join(lines) + "\n"
 
@@ -123,35 +108,37 @@ def _mean_curve(runs: list[dict], key: str, metric: str):
     return xs, ys
 
 
-def plot(results: dict, path: str | Path, metrics=("align_overall", "fd_shapes")) -> Path:
-    """Quality (rows: `metrics`) against training wall clock and against steps (columns); per method the mean
-    over seeds in bold and each seed thin; the baseline's target dashed."""
+def plot(results: dict, path: str | Path, metrics=("align_overall", "kid")) -> Path:
+    """Quality (rows: `metrics`) against training wall clock and against steps (columns); per method the mean over
+    seeds in bold and each seed thin; the baseline's final (mean over seeds) dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    chosen = [r for r in results["runs"].values() if r.get("chosen") and r["curve"]]
-    methods = _order({r["method"]: None for r in chosen})
-    fig, axes = plt.subplots(len(metrics), 2, figsize=(12, 4.2 * len(metrics)), squeeze=False)
+    runs = [r for r in results["runs"] if r["curve"]]
+    metrics = [m for m in metrics if runs and all(m in r["curve"][-1] for r in runs)]
+    baseline = results["size"]["baseline"]
+    methods = _order([r["method"] for r in runs], baseline)
+    fig, axes = plt.subplots(max(1, len(metrics)), 2, figsize=(12, 4.2 * max(1, len(metrics))), squeeze=False)
     colors = plt.get_cmap("tab10")
     for row, metric in enumerate(metrics):
         for col, key in enumerate(("wall_s", "step")):
             ax = axes[row][col]
             for i, m in enumerate(methods):
-                rs = [r for r in chosen if r["method"] == m]
+                rs = [r for r in runs if r["method"] == m]
                 for r in rs:
                     pts = [p for p in r["curve"] if metric in p]
                     ax.plot([p[key] for p in pts], [p[metric] for p in pts], color=colors(i), alpha=0.3, lw=0.8)
                 xs, ys = _mean_curve(rs, key, metric)
                 ax.plot(xs, ys, color=colors(i), lw=2, marker="o", ms=3, label=label(m))
-            target = results["targets"].get(metric)
-            if target is not None and math.isfinite(target):
-                ax.axhline(target, color="k", ls="--", lw=1, label="target (baseline final)")
+            base = [r["curve"][-1][metric] for r in runs if r["method"] == baseline]
+            if base:
+                ax.axhline(float(np.mean(base)), color="k", ls="--", lw=1, label="baseline final (target)")
             ax.set_xlabel("training wall clock (s)" if key == "wall_s" else "training steps")
             ax.set_ylabel(metric)
-            if metric.startswith("fd"):
-                ax.set_yscale("log")
+            if metric == "kid":
+                ax.set_yscale("symlog", linthresh=1e-3)
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"speedup benchmark, size {results['size']['name']}")
@@ -167,5 +154,5 @@ def write_outputs(results: dict, out_dir: str | Path) -> None:
     out = Path(out_dir)
     (out / "results.json").write_text(json.dumps(results, indent=1))
     (out / "speedup.md").write_text(markdown_table(results))
-    if any(r.get("chosen") and r["curve"] for r in results["runs"].values()):
+    if any(r["curve"] for r in results["runs"]):
         plot(results, out / "speedup.png")
