@@ -66,6 +66,10 @@ def get_config() -> ml_collections.ConfigDict:
     t.depth = 2  # built-in text encoder blocks
     t.heads = 4
     t.emb_dim = 384  # width of precomputed embeddings (text.encoder=precomputed)
+    # The frozen encoder that made the precomputed embeddings (minilm | t5 | t5gemma | qwen), so that sampling can
+    # encode new prompts the same way; filled from the shards' manifest when empty.
+    t.frozen_encoder = ""
+    t.frozen_encoder_path = ""  # its weights directory ("" = MiniLM's packaged weights)
 
     c.data = d = ml_collections.ConfigDict()
     d.name = "synthetic"  # synthetic | shards

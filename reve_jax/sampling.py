@@ -22,6 +22,29 @@ def encode_prompts(prompts: list[str], max_len: int) -> dict:
     return {"tokens": tokens, "text_mask": mask}
 
 
+def prompt_inputs(cfg, prompts: list[str]) -> dict:
+    """The model's text inputs for new prompts: the built-in tokenizer's, or (text.encoder='precomputed') the
+    embeddings of the frozen encoder the run's data was prepared with (text.frozen_encoder, its weights from
+    text.frozen_encoder_path), padded to text.max_len."""
+    t = cfg.text
+    if t.encoder == "builtin":
+        return encode_prompts(prompts, t.max_len)
+    if not t.frozen_encoder:
+        raise ValueError(
+            "this run was trained on precomputed text embeddings but its config does not say which encoder made "
+            "them: pass --config.text.frozen_encoder=<name> (and text.frozen_encoder_path for t5, t5gemma, qwen)"
+        )
+    from reve_jax.text_encoders import load_encoder
+
+    enc = load_encoder(t.frozen_encoder, t.frozen_encoder_path or None, max_len=t.max_len)
+    out = enc.encode(list(prompts))
+    if out.emb.shape[-1] != t.emb_dim:
+        raise ValueError(
+            f"{t.frozen_encoder} gives {out.emb.shape[-1]}-wide embeddings; the run has text.emb_dim={t.emb_dim}"
+        )
+    return {"text_emb": out.emb.astype(np.float32), "text_mask": out.mask}
+
+
 def make_sampler(cfg, graphdef, *, steps=None, cfg_scale=None, sampler=None, route_guidance=None):
     """Returns a jitted fn(params, text, noise, key) -> images [B,H,W,3] in [-1,1]. Unset arguments come from
     `cfg.sample`. Guidance uses one batched call of 2B (cond, uncond) per evaluation. `noise` has the model's
@@ -91,17 +114,13 @@ def render_from_checkpoint(
     if not ckpt.steps():
         raise checkpoint.CheckpointError(f"no checkpoint in {workdir / 'checkpoints'}: train first")
     cfg = config.from_json(ckpt.restore_meta(ckpt.steps()[-1])["config"])
-    if cfg.text.encoder != "builtin":
-        raise ValueError(
-            "this run uses precomputed text embeddings; sample.py encodes prompts with the built-in tokenizer only"
-        )
+    text = prompt_inputs(cfg, list(prompts))
     mesh = sharding.make_mesh(cfg.mesh)
     setup = train_state.make_setup(cfg, mesh)
     state, meta = ckpt.restore_latest(setup.abstract_state)
     ckpt.close()
     params = state["ema"]["ema0"] if use_ema else model_params(state["params"])
     fn = make_sampler(cfg, setup.graphdef, steps=steps, cfg_scale=cfg_scale, sampler=sampler)
-    text = encode_prompts(list(prompts), cfg.text.max_len)
     noise = fixed_noise(cfg, len(prompts), seed)
     with jax.set_mesh(mesh):
         images = np.asarray(jax.device_get(fn(params, text, noise, jax.random.key(seed))))

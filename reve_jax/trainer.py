@@ -38,6 +38,9 @@ STATE_KEYS = (
     "loss.repa_hidden",
 )
 
+# Keys inside STATE_KEYS' sections that do not shape the state (a run may record or change them).
+NOT_STATE_KEYS = ("text.frozen_encoder", "text.frozen_encoder_path")
+
 # State keys that change the layout of the same weights, not their values: scripts/convert_checkpoint.py moves a
 # workdir across them.
 LAYOUT_KEYS = ("model.scan_layers", "optim.muon_patterns")
@@ -58,7 +61,8 @@ def state_key_changes(cfg, saved_json: str) -> dict[str, tuple]:
     then = _flatten(json.loads(saved_json))
     return {
         k: (then.get(k), now.get(k)) for k in sorted(set(now) | set(then))
-        if any(k == p or k.startswith(p + ".") for p in STATE_KEYS) and now.get(k) != then.get(k)
+        if any(k == p or k.startswith(p + ".") for p in STATE_KEYS) and k not in NOT_STATE_KEYS
+        and now.get(k) != then.get(k)
     }  # fmt: skip
 
 
@@ -175,7 +179,10 @@ def run(cfg, workdir: str | Path, worker=None, *, fresh: bool = False, extra_hoo
     if cfg.train.compile_cache:
         xla.enable_compile_cache(cfg.train.compile_cache)
 
+    cfg = config.from_json(config.to_json(cfg))  # a copy: the run records what it learns about its data below
     run_ = builder.build(cfg)
+    if cfg.text.encoder == "precomputed" and not cfg.text.frozen_encoder:
+        cfg.text.frozen_encoder = run_.stages[0].dataset.encoder["name"]  # so that sampling can encode prompts
     peak, peak_source = metrics.peak_tflops(cfg.train.peak_tflops)
     run_.on_compile = lambda hw: worker.beat(-1, "compiling")
     log.info("mesh %s over %d devices, %d processes", dict(run_.mesh.shape), run_.mesh.size, jax.process_count())

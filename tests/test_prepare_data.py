@@ -12,8 +12,9 @@ import pytest
 from PIL import Image
 from util import load_script, tiny_config
 
-from reve_jax import trainer
+from reve_jax import config, sampling, trainer
 from reve_jax.data import buckets, pipeline, prepare, shards, tokenizer
+from reve_jax.text_encoders.minilm import MiniLMEncoder
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORDS = ("red", "green", "blue", "circle", "square", "small", "large", "top", "left", "center")
@@ -344,17 +345,25 @@ def test_train_steps_on_synthetic_shards_with_minilm_embeddings(tmp_path):
     manifest = script.main(argv + ["--encoder", "minilm", "--max-len", "16", "--encode-batch", "8", "--workers", "0"])
     assert manifest["count"] == 24 and manifest["encoder"]["dim"] == 384
 
-    cfg = tiny_config(
-        "data.name='shards'",
-        f"data.path='{out}'",
-        "text.encoder='precomputed'",
-        "text.emb_dim=384",
-        "train.steps=2",
-    )
+    cfg_items = ("data.name='shards'", f"data.path='{out}'", "text.encoder='precomputed'", "text.emb_dim=384",
+                 "train.steps=2")  # fmt: skip
+    cfg = tiny_config(*cfg_items)
     summary = trainer.run(cfg, tmp_path / "run")
     assert summary["reason"] == "finished" and summary["step"] == 2
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows and all(np.isfinite(r["loss"]) for r in rows)
+    # The run records the encoder that made its embeddings, so sample.py encodes new prompts the same way.
+    saved = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert saved["text"]["frozen_encoder"] == "minilm"
+    prompts = ["a small red circle in the center, on a white background", "a large blue square at the top left"]
+    load_script("sample").main(["--workdir", str(tmp_path / "run"), *(a for p in prompts for a in ("--prompt", p))])
+    assert (tmp_path / "run" / "samples" / "cli.png").stat().st_size > 0
+    inputs = sampling.prompt_inputs(config.from_json(json.dumps(saved)), prompts)
+    reference = MiniLMEncoder(max_len=16).encode(prompts)
+    np.testing.assert_allclose(inputs["text_emb"], reference.emb, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(inputs["text_mask"], reference.mask)
+    with pytest.raises(ValueError, match="holds minilm embeddings but text.frozen_encoder='t5'"):
+        trainer.run(tiny_config(*(o for o in cfg_items), "text.frozen_encoder='t5'"), tmp_path / "run_t5")
     with pytest.raises(ValueError, match="text.emb_dim=384"):
         other = tiny_config("text.encoder='precomputed'", "text.emb_dim=512").text
         pipeline.make_batch_iterator(cfg.data, 16, 8, 0, 1, 0, text_cfg=other)

@@ -361,6 +361,11 @@ def _resolve_text(stages: Sequence[Stage], text_max_len: int, text_cfg: Any) -> 
                 "(scripts/prepare_data.py) or use text.encoder='builtin'"
             )
         enc = s.dataset.encoder
+        if text_cfg is not None and text_cfg.frozen_encoder and enc["name"] != text_cfg.frozen_encoder:
+            raise ValueError(
+                f"{where} holds {enc['name']} embeddings but text.frozen_encoder={text_cfg.frozen_encoder!r}: "
+                "prepare the data with that encoder, or set text.frozen_encoder to match"
+            )
         if text_cfg is not None and enc["dim"] != text_cfg.emb_dim:
             raise ValueError(
                 f"{where} holds {enc['name']} embeddings of dim {enc['dim']}: set text.emb_dim={enc['dim']}"
