@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import warnings
 from pathlib import Path
 
 import jax
@@ -32,15 +33,21 @@ def share_executables_between_processes() -> None:
     assignment of the process that loads it (checked: a 1-process x 4-device executable computes the right
     all-reduce in a 2 x 2 job). GPU and TPU keys are untouched. Call before the first compile; idempotent.
     """
-    from jax._src import compilation_cache
+    from jax._src import cache_key, compilation_cache
 
     get = compilation_cache.get_cache_key
     if getattr(get, "_reve_cpu_invariant", False):
+        return
+    if not all(hasattr(cache_key, n) for n in _KEY_PARTS + ("_hash_string",)):
+        # Another JAX: keys stay per process (each compiles for itself), and sharing, which needs equal keys on
+        # CPU, stays off: slower relaunches, never a process waiting for an executable no one sends.
+        warnings.warn(f"jax {jax.__version__}: cache-key internals moved; executables are not shared", stacklevel=2)
         return
     compilation_cache.get_cache_key = _cpu_invariant_key(get)
     jax.config.update("jax_share_binary_between_hosts", True)
 
 
+_KEY_PARTS = ("_hash_serialized_compile_options", "_hash_accelerator_config")  # what the CPU key swaps
 _key_lock = threading.Lock()  # the key helpers are swapped for the call: one key at a time
 
 
