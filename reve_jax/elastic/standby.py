@@ -23,6 +23,7 @@ import time
 
 from reve_jax.elastic.channel import HeartbeatClient
 
+RESTART_AFTER = 10.0  # s before a host's standby is started again (one that dies at once must not spin)
 STANDBY_INTERVAL = 0.1  # s between a waiting standby's beats: bounds how long an assignment takes to arrive
 READY_WITHIN = 1.0  # s: a standby whose last beat is older is not handed a place (frozen, cut off, gone)
 
@@ -72,12 +73,15 @@ class StandbyPool:
         self.by_host: dict[str, Standby] = {}
         self._by_token: dict[str, Standby] = {}
         self._count = itertools.count()
+        self._last_start: dict[str, float] = {}
 
     def ensure(self, hosts: list[str]) -> None:
-        """Starts a standby on each of `hosts` that has none."""
+        """Starts a standby on each of `hosts` that has none (and had none started in the last RESTART_AFTER s)."""
+        now = self.clock()
         for host in hosts:
-            if host in self.by_host:
+            if host in self.by_host or now - self._last_start.get(host, -RESTART_AFTER) < RESTART_AFTER:
                 continue
+            self._last_start[host] = now
             token = f"s{next(self._count)}"
             log_path = os.path.join(self.log_dir, f"standby{token[1:]}_{host}.log")
             env = {**self.env, "REVE_STANDBY": token, "REVE_NUM_PROCESSES": "0", "REVE_HOST": host}

@@ -1,0 +1,88 @@
+"""Warm standbys (reve_jax/elastic/standby.py): the pool starts one per host, hands out only ready ones that beat
+recently, forgets dead ones and does not restart a host's standby in a loop; a standby process imports, waits
+for its assignment over the signed channel and comes back with the group's variables."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+from reve_jax.elastic import standby
+from reve_jax.elastic.channel import HeartbeatServer
+
+
+class FakeProc:
+    def __init__(self):
+        self.code, self.pid, self.killed = None, 123, False
+
+    def poll(self):
+        return self.code
+
+    def kill(self):
+        self.killed = True
+
+
+def test_pool_hands_out_ready_fresh_standbys_only():
+    now = [0.0]
+    started = []
+
+    def start(host, argv, env, log):
+        started.append((host, env["REVE_STANDBY"], env["REVE_HOST"]))
+        return FakeProc()
+
+    pool = standby.StandbyPool(start, ["python", "w.py"], {"X": "1"}, "/tmp/logs", clock=lambda: now[0])
+    pool.ensure(["a", "b"])
+    assert [(h, host) for h, _, host in started] == [("a", "a"), ("b", "b")]
+    token_a = started[0][1]
+    assert pool.take("a") is None  # not ready: still importing
+    pool.beat(now[0], {"standby": token_a, "phase": "standby"})
+    now[0] += standby.READY_WITHIN + 0.5
+    assert pool.take("a") is None  # ready, but silent too long (frozen, cut off)
+    pool.beat(now[0], {"standby": token_a, "phase": "standby"})
+    s = pool.take("a")
+    assert s is not None and s.host == "a" and "a" not in pool.by_host
+    pool.by_host["b"].proc.code = 1  # b's standby died
+    pool.poll()
+    pool.ensure(["a", "b"])
+    assert [h for h, _, _ in started] == ["a", "b"]  # both started less than RESTART_AFTER s ago: no restart loop
+    now[0] += standby.RESTART_AFTER
+    pool.ensure(["a", "b"])
+    assert [h for h, _, _ in started] == ["a", "b", "a", "b"]
+    procs = pool.close()
+    assert len(procs) == 2 and all(p.killed for p in procs)
+
+
+CHILD = textwrap.dedent(
+    """
+    import os, sys
+    from reve_jax.elastic import auth, standby
+    env = dict(os.environ)
+    secret = auth.secret_from_env(env)
+    got = standby.wait_for_assignment(env, secret)
+    print("assigned", got["REVE_ATTEMPT"], env["REVE_PROCESS_ID"], "REVE_STANDBY" in env, flush=True)
+    """
+)
+
+
+def test_standby_process_waits_for_its_assignment():
+    server = HeartbeatServer(bind="127.0.0.1").start()
+    env = dict(
+        os.environ, REVE_HEARTBEAT=f"127.0.0.1:{server.port}", REVE_SECRET=server.secret.hex(), REVE_HOST="h",
+        REVE_STANDBY="s7", REVE_STANDBY_IMPORTS="json,no_such_module_here",
+    )  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", CHILD], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        msgs = []
+        while not any(m.get("phase") == "standby" for m in msgs):  # imports done (a missing one is skipped)
+            msgs += [m for _, m in server.drain()]
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.02)
+        assert all(m["standby"] == "s7" and m["host"] == "h" for m in msgs)
+        server.assign("s7", {"REVE_ATTEMPT": "4", "REVE_PROCESS_ID": "1"})
+        out, err = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        server.close()
+    assert out.decode().split() == ["assigned", "4", "1", "False"], err.decode()
+    assert b"cannot import no_such_module_here" in err
