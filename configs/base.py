@@ -184,6 +184,7 @@ def get_config() -> ml_collections.ConfigDict:
     s.cfg_interval = (0.0, 1.0)  # apply CFG only for t in [lo, hi] (JiT's guidance interval)
     s.route_guidance = 0.0  # routed self-guidance s: out = routed + s*(full - routed); 0 = off
     s.num = 16  # images in the training sample grid
+    s.score_num = 64  # held-out captions the reader scores at each sample step and at the end (synthetic; 0 = off)
     s.seed = 1234  # fixed noise seed for sample grids
     s.use_ema = True
     c.lock()  # experiment files and overrides may change values, never add keys

@@ -68,7 +68,13 @@ class LogHook:
 
     def due(self, ctx) -> bool:
         tr = self.cfg.train
-        return _every(ctx.step, tr.log_every) or _every(ctx.step, tr.ckpt_every) or ctx.last or ctx.stop is not None
+        return (
+            _every(ctx.step, tr.log_every)
+            or _every(ctx.step, tr.ckpt_every)
+            or ctx.last
+            or ctx.stop is not None
+            or bool(ctx.extra)
+        )
 
     def __call__(self, ctx):
         values = ctx.host_metrics()
@@ -79,7 +85,7 @@ class LogHook:
                 "intact; lower optim.lr or raise optim.clip_norm / warm-up, then resume.",
                 ctx.step,
             )
-        if not (_every(ctx.step, self.cfg.train.log_every) or ctx.last):
+        if not (_every(ctx.step, self.cfg.train.log_every) or ctx.last or ctx.extra):
             return
         wall, _ = ctx.clock.read()
         step0, wall0, flops0 = self._last or (ctx.start_step, ctx.start_wall, ctx.start_flops)
@@ -95,7 +101,9 @@ class LogHook:
             mfu=tflops / self.peak_total,
             data_wait_frac=min(ctx.data_wait_s / dt, 1.0),
             train_wall_s=wall,
+            **ctx.extra,
         )
+        ctx.extra.clear()
         self.writer.write(ctx.step, record)
         if self.progress is not None:
             self.progress.set_postfix(loss=f"{values['loss']:.4f}", ips=f"{ips:.0f}")
@@ -114,8 +122,11 @@ def sample_prompts(cfg, dataset, n: int) -> tuple[list[str], dict]:
 
 
 class SampleHook:
-    """A grid of `sample.num` images from fixed noise every train.sample_every steps and at the end, written to
-    <workdir>/samples/step_<n>.png."""
+    """Every train.sample_every steps and at the end: images of the last held-out captions of the data from fixed
+    noise; a grid of `sample.num` of them in <workdir>/samples/step_<n>.png. On the procedural dataset the reader
+    (eval/alignment.py) also scores `sample.score_num` of them against their captions: per-attribute alignment goes
+    to metrics.jsonl and TensorBoard (`sample/align_*`), the grid marks each caption's checks, and the last scores
+    stay in `self.scores` (the trainer's summary)."""
 
     timed = False
 
@@ -124,17 +135,39 @@ class SampleHook:
         self.cfg = run.cfg
         self.beat = beat or (lambda step, phase="train": None)
         self.fn = sampling.make_sampler(self.cfg, run.setup.graphdef)
-        self.captions, self.text = sample_prompts(self.cfg, run.stages[0].dataset, self.cfg.sample.num)
+        dataset = run.stages[0].dataset
+        scored = self.cfg.sample.score_num > 0 and hasattr(dataset, "scene")  # captions checkable from pixels
+        n = max(self.cfg.sample.num, self.cfg.sample.score_num) if scored else self.cfg.sample.num
+        self.captions, self.text = sample_prompts(self.cfg, dataset, n)
+        first = dataset.num_samples - n
+        self.scenes = [dataset.scene(first + i) for i in range(n)] if scored else None
+        self.scores: dict[str, float] = {}
 
     def due(self, ctx) -> bool:
         return (_every(ctx.step, self.cfg.train.sample_every) and not ctx.last) or (ctx.last and ctx.stop is None)
 
     def __call__(self, ctx):
+        from reve_jax.eval import alignment
+
         self.beat(ctx.step, "sampling")
         images = render(self.run, ctx.state, self.fn, self.text, ctx.step)
+        grid = slice(len(images) - self.cfg.sample.num, len(images))  # the grid: the last sample.num captions
+        path = self.workdir / "samples" / f"step_{ctx.step:07d}.png"
+        if self.scenes is None:
+            if jax.process_index() == 0:
+                path.parent.mkdir(exist_ok=True)
+                viz.save_sample_grid(path, images[grid], self.captions[grid])
+            return
+        checks = alignment.check_batch(alignment.read_batch(images), self.scenes)
+        self.scores = alignment.summarize(checks)
+        log.info(
+            "step %d samples: %s", ctx.step, ", ".join(f"{k[6:]} {v:.2f}" for k, v in self.scores.items())
+        )
         if jax.process_index() == 0:
-            (self.workdir / "samples").mkdir(exist_ok=True)
-            viz.save_sample_grid(self.workdir / "samples" / f"step_{ctx.step:07d}.png", images, self.captions)
+            path.parent.mkdir(exist_ok=True)
+            rows = [{a: tuple(int(x) for x in checks[a][i]) for a in alignment.ATTRIBUTES} for i in range(len(images))]
+            viz.save_checked_grid(path, images[grid], self.captions[grid], rows[grid])
+        ctx.extra.update({f"sample/{k}": v for k, v in self.scores.items()})  # logged by LogHook at this step
 
 
 def render(run, state, fn, text, step: int) -> np.ndarray:

@@ -72,6 +72,7 @@ class Context:
     data_wait_s: float = 0.0  # seconds blocked on the input pipeline since the last log
     stop: str | None = None  # set by a hook: end the run after this step's hooks
     values: dict | None = None  # host copies of `metrics` once a hook fetched them (see `host_metrics`)
+    extra: dict = dataclasses.field(default_factory=dict)  # metrics a hook adds for the log hook to write
     start_wall: float = 0.0  # the clock's wall seconds and the FLOPs when this loop started (a resumed run's)
     start_flops: float = 0.0
 

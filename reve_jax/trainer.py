@@ -154,14 +154,14 @@ def restore(run, ckpt: checkpoint.Checkpointer, *, fresh: bool) -> tuple[dict, d
 
 
 def default_hooks(run, workdir: Path, ckpt, worker, signalled: threading.Event, start_step: int, peak: float):
-    """stop -> progress -> log -> sample; the checkpoint hook is appended after any caller's hooks. `peak`: one
+    """stop -> progress -> sample -> log; the checkpoint hook is appended after any caller's hooks. `peak`: one
     device's peak TFLOP/s (for MFU)."""
     cfg, is_main = run.cfg, jax.process_index() == 0
     progress = ProgressHook(start_step, cfg.train.steps) if is_main else None
     out = [hooks.StopHook(_SignalStop(worker, signalled), cfg)]
     out += [progress] if progress is not None else []
+    out += [hooks.SampleHook(run, workdir, worker.beat)]  # before the log hook, which writes its scores
     out += [hooks.LogHook(cfg, workdir, ckpt, peak * jax.device_count(), progress.bar if progress else None)]
-    out += [hooks.SampleHook(run, workdir, worker.beat)]
     return out
 
 
@@ -236,6 +236,10 @@ def run(cfg, workdir: str | Path, worker=None, *, fresh: bool = False, extra_hoo
         "train_cpu_s": clock.cpu_s,
         "peak_tflops_source": peak_source,
     }
+    sampled = next(h for h in all_hooks if isinstance(h, hooks.SampleHook))
+    if sampled.scores:  # the reader's scores of the last samples (procedural data)
+        summary["samples_scored"] = len(sampled.scenes)
+        summary.update(sampled.scores)
     if is_main:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

@@ -32,7 +32,10 @@ def main(argv=None):
             f"on mesh {cli.describe_mesh(mesh)} into {args.workdir}"
         )
     summary = cli.train(cfg, args.workdir, worker, fresh=args.fresh)
-    logging.getLogger("reve_jax").info("done: %s", summary)
+    logging.getLogger("reve_jax").info("done: %s", {k: v for k, v in summary.items() if not k.startswith("align_")})
+    if "align_overall" in summary:  # the last line: how well the final samples follow their captions
+        scores = ", ".join(f"{k[6:]} {v:.2f}" for k, v in summary.items() if k.startswith("align_"))
+        print(f"final samples ({summary['samples_scored']} held-out captions): {scores}", flush=True)
 
 
 if __name__ == "__main__":
