@@ -184,7 +184,6 @@ def run(cfg, workdir: str | Path, worker=None, *, fresh: bool = False, extra_hoo
     if cfg.text.encoder == "precomputed" and not cfg.text.frozen_encoder:
         cfg.text.frozen_encoder = run_.stages[0].dataset.encoder["name"]  # so that sampling can encode prompts
     peak, peak_source = metrics.peak_tflops(cfg.train.peak_tflops)
-    run_.on_compile = lambda hw: worker.beat(-1, "compiling")
     log.info("mesh %s over %d devices, %d processes", dict(run_.mesh.shape), run_.mesh.size, jax.process_count())
     if is_main:
         _log_param_groups(run_, workdir)
