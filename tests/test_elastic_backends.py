@@ -1,10 +1,12 @@
 """Launch backends and the launcher's command line: local device isolation, SSH through a stand-in `ssh` that
 runs the remote line here (quoting, pid file, remote kill), SLURM command lines, config hints, group sizes."""
 
+import inspect
 import os
 import stat
 import sys
 import time
+import typing
 
 import pytest
 
@@ -130,6 +132,62 @@ def test_slurm_command_line(monkeypatch):
     monkeypatch.delenv("SLURM_JOB_ID")
     with pytest.raises(RuntimeError, match="allocation"):
         backends.SlurmBackend(["gpu001"])
+
+
+def protocol_problems(backend) -> list[str]:
+    """Returns how `backend` (an instance) falls short of backends.Backend: a missing or mistyped data member,
+    a missing method, or a method whose parameters (names, kinds, types, in order) or return type differ.
+    Extra parameters are allowed when they have defaults."""
+    problems = []
+    for attr, kind in typing.get_type_hints(backends.Backend).items():
+        if not isinstance(getattr(backend, attr, None), typing.get_origin(kind) or kind):
+            problems.append(f"{attr}: not a {kind}")
+    methods = [n for n, v in vars(backends.Backend).items() if inspect.isfunction(v) and not n.startswith("_")]
+    for name in methods:
+        impl = getattr(type(backend), name, None)
+        if not inspect.isfunction(impl):
+            problems.append(f"{name}: missing")
+            continue
+        want, got = inspect.signature(getattr(backends.Backend, name)), inspect.signature(impl)
+        want_types = typing.get_type_hints(getattr(backends.Backend, name))
+        got_types = typing.get_type_hints(impl)
+        got_params = list(got.parameters.values())
+        for i, p in enumerate(want.parameters.values()):
+            q = got_params[i] if i < len(got_params) else None
+            if q is None or (q.name, q.kind) != (p.name, p.kind) or got_types.get(q.name) != want_types.get(p.name):
+                problems.append(f"{name}: parameter {p} is {q}")
+        for q in got_params[len(want.parameters) :]:
+            if q.default is inspect.Parameter.empty and q.kind not in (q.VAR_POSITIONAL, q.VAR_KEYWORD):
+                problems.append(f"{name}: extra parameter {q} without a default")
+        if got_types.get("return") != want_types.get("return"):
+            problems.append(f"{name}: returns {got_types.get('return')}, not {want_types.get('return')}")
+    return problems
+
+
+def test_every_backend_follows_the_protocol(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "1234")
+    instances = {
+        backends.LocalBackend: backends.LocalBackend(2),
+        backends.SSHBackend: backends.SSHBackend(["n1"], remote_dir="/src"),
+        backends.SlurmBackend: backends.SlurmBackend(["gpu001"]),
+    }
+    found = {c for n, c in vars(backends).items() if isinstance(c, type) and n.endswith("Backend") and n != "Backend"}
+    assert found == set(instances), "a new backend: add an instance of it here"
+    for cls, backend in instances.items():
+        assert protocol_problems(backend) == [], cls.__name__
+
+
+def test_protocol_check_catches_a_backend_that_falls_short():
+    class Partial:
+        name, hosts = "partial", ["h"]
+
+        def coordinator(self, host: str, attempt: int) -> str: ...
+        def heartbeat_host(self) -> str: ...
+        def heartbeat_bind(self, port: int) -> str: ...
+        def start(self, host: str, argv: list[str], env: dict) -> backends.Proc: ...
+
+    problems = protocol_problems(Partial())
+    assert [p.split(":")[0] for p in problems] == ["heartbeat_bind", "start", "probe"], problems
 
 
 def test_launcher_arguments_and_hints():

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import uuid
+from typing import Protocol
 
 from reve_jax.elastic import auth
 
@@ -101,6 +102,49 @@ def facing_address(hosts: list[str]) -> str:
     if len(seen) != 1:
         raise ValueError(f"the hosts are reached through different local addresses {sorted(seen)}: pass --advertise")
     return seen.pop()
+
+
+class Backend(Protocol):
+    """What the supervisor and the launcher ask of a place to run workers. LocalBackend, SSHBackend and
+    SlurmBackend follow it; tests/test_elastic_backends.py checks that every class here named *Backend
+    provides each member with a compatible signature.
+
+    A host is a name from `hosts`. The supervisor's loop calls these methods: none waits for the remote
+    process (`start` and `probe` return once the local process is started; `Proc.kill` leaves the remote kill
+    to a thread)."""
+
+    name: str  # how events.jsonl and the console name the backend: "local", "ssh", "slurm"
+    hosts: list[str]  # every host this backend can run on, in order; the launcher sizes groups from it
+
+    def coordinator(self, host: str, attempt: int) -> str:
+        """Returns "address:port" for jax.distributed's coordinator of group `attempt`, whose process 0 runs
+        on `host`. Every process of the group must reach it; successive attempts get different ports, since
+        the previous coordinator's port may still be held."""
+        ...
+
+    def heartbeat_host(self) -> str:
+        """Returns the address at which workers on every host reach this machine (the supervisor's heartbeat
+        channel); it goes into each worker's REVE_HEARTBEAT."""
+        ...
+
+    def heartbeat_bind(self) -> str:
+        """Returns the local IP address the heartbeat channel listens on: the interface the hosts reach, never
+        0.0.0.0."""
+        ...
+
+    def start(self, host: str, argv: list[str], env: dict, log_path: str) -> Proc:
+        """Starts `argv` on `host` and returns at once; an argument "python" stands for the backend's
+        interpreter there. `env` is added to the worker's environment; its REVE_SECRET (auth.SECRET_ENV) must never
+        appear on a command line (pass it through the environment or standard input). Its stdout and stderr
+        are appended to `log_path` on this machine. The returned Proc's `poll()` gives the worker's exit code
+        once it is gone (None while it runs), `pid` is the local process's id (recorded in events.jsonl), and
+        `kill()` stops the remote process with everything it started, not only the local ssh or srun."""
+        ...
+
+    def probe(self, host: str, env: dict, log_path: str) -> Proc:
+        """Starts the health probe (PROBE_MODULE) on `host` like `start`, with `env`; the Proc exits 0 when
+        the host can run a worker, non-zero otherwise."""
+        ...
 
 
 class LocalBackend:

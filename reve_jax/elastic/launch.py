@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={args.devices_per_host}".strip(),
                 "JAX_PLATFORMS": "cpu",
             }
+    backend: backends.Backend
     if args.slurm:
         backend = backends.SlurmBackend(
             srun_args=tuple(args.srun_arg), advertise=args.advertise, python=args.python or "python3"

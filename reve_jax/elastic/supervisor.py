@@ -18,6 +18,7 @@ import time
 
 from reve_jax.elastic import auth, fence
 from reve_jax.elastic import policy as P
+from reve_jax.elastic.backends import Backend
 from reve_jax.elastic.channel import HeartbeatServer
 from reve_jax.elastic.events import EventLog, read_events, summary
 from reve_jax.elastic.precompile import AheadCompiler
@@ -54,7 +55,7 @@ class Supervisor:
 
     def __init__(
         self,
-        backend,
+        backend: Backend,
         worker: WorkerSettings,
         config: P.PolicyConfig,
         workdir: str,
