@@ -21,7 +21,6 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 from util import TINY
 
-from reve_jax import checkpoint
 from reve_jax.checkpoint import (
     Checkpointer,
     CheckpointError,
@@ -363,7 +362,8 @@ def test_sync_save_failure_is_one_line_and_close_reports_an_unseen_one(tmp_path,
 
 def test_orbax_noise_is_held_then_replayed_or_dropped_and_nothing_else_is_hidden(tmp_path, caplog, monkeypatch):
     ckpt = Checkpointer(tmp_path)
-    watch, hub = ckpt._noise, checkpoint._NOISE
+    watch = ckpt._noise
+    hub = watch.hub  # the process's checkpoint_noise filter
     seen = []
     monkeypatch.setattr(hub, "previous_hook", seen.append)
     monkeypatch.setattr(hub, "watches", [watch])  # not the watches other tests left behind
