@@ -177,6 +177,11 @@ def get_config() -> ml_collections.ConfigDict:
     tr.peak_tflops = 0.0  # device peak for MFU; 0 = 989 on H100/H200, a measured matmul peak on CPU
     tr.compile_cache = ""  # persistent XLA compilation cache directory ("" = off, or $JAX_COMPILATION_CACHE_DIR)
 
+    # Elastic runs (docs/elastic.md): how a failure is recovered from besides the disk checkpoints.
+    c.elastic = el = ml_collections.ConfigDict()
+    el.snapshot_every = 0  # in-memory snapshot of the train state every N steps, also held by the next host (0: off)
+    el.snapshot_dir = ""  # host-local directory for them ("" = /dev/shm/reve_jax: host memory, survives the process)
+
     c.sample = s = ml_collections.ConfigDict()
     s.sampler = "heun"  # euler | heun
     s.steps = 32

@@ -19,6 +19,7 @@ import jax
 
 from reve_jax import builder, checkpoint, config, hooks, loop, metrics, optim, xla
 from reve_jax.data import pipeline
+from reve_jax.elastic.snapshot import Snapshots
 from reve_jax.elastic.worker import stop_on_signals
 
 log = logging.getLogger("reve_jax")
@@ -133,9 +134,10 @@ class _SignalStop:
         return self.signalled.is_set() or self.worker.stop_requested()
 
 
-def restore(run, ckpt: checkpoint.Checkpointer, *, fresh: bool) -> tuple[dict, dict]:
+def restore(run, ckpt: checkpoint.Checkpointer, *, fresh: bool, snapshots: Snapshots | None = None):
     """The state to train from and its checkpoint metadata ({} for a fresh start). Refuses a workdir whose
-    checkpoints were written by another model or optimizer before touching them."""
+    checkpoints were written by another model or optimizer before touching them. With `snapshots`, the newest
+    complete in-memory snapshot wins over an older disk checkpoint (elastic/snapshot.py)."""
     steps = ckpt.steps()
     if steps and not fresh:
         try:
@@ -144,6 +146,10 @@ def restore(run, ckpt: checkpoint.Checkpointer, *, fresh: bool) -> tuple[dict, d
             saved = None
         if saved is not None:
             check_compatible(run.cfg, saved)
+    if snapshots is not None:
+        got = snapshots.restore(run.setup.abstract_state, newer_than=steps[-1] if steps else 0, fresh=fresh)
+        if got is not None:
+            return got
     restored = checkpoint.resume(ckpt, run.setup.abstract_state, fresh=fresh)
     if restored is None:
         log.info("fresh start")
@@ -188,9 +194,11 @@ def run(cfg, workdir: str | Path, worker=None, *, fresh: bool = False, extra_hoo
     if is_main:
         _log_param_groups(run_, workdir)
     ckpt = checkpoint.Checkpointer(workdir, keep=cfg.train.ckpt_keep, async_save=cfg.train.ckpt_async)
+    snaps, result = None, None
     try:
         worker.beat(0, "restoring")
-        state, meta = restore(run_, ckpt, fresh=fresh)
+        snaps = Snapshots.create(cfg, workdir, worker, run_.setup.abstract_state, fresh=fresh)
+        state, meta = restore(run_, ckpt, fresh=fresh, snapshots=snaps)
         if is_main:  # written only once the workdir is known to hold this run (or nothing)
             (workdir / "config.json").write_text(config.to_json(cfg))
         start_step = int(jax.device_get(state["step"]))
@@ -206,7 +214,8 @@ def run(cfg, workdir: str | Path, worker=None, *, fresh: bool = False, extra_hoo
         clock = loop.Clock(meta.get("train_wall_s", 0.0), meta.get("train_cpu_s", 0.0))
         signalled = threading.Event()
         all_hooks = default_hooks(run_, workdir, ckpt, worker, signalled, start_step, peak)
-        all_hooks += [*extra_hooks, hooks.CheckpointHook(cfg, ckpt, worker.beat)]
+        ckpt_hook = hooks.CheckpointHook(cfg, ckpt, worker.beat)
+        all_hooks += [*extra_hooks, *([snaps.hook(ckpt_hook.meta)] if snaps else []), ckpt_hook]
         with stop_on_signals(signalled):
             result = loop.run_loop(
                 run_,
@@ -221,6 +230,8 @@ def run(cfg, workdir: str | Path, worker=None, *, fresh: bool = False, extra_hoo
             )
     finally:
         ckpt.close()
+        if snaps is not None:
+            snaps.close(finished=result is not None and result.reason == "finished")
     if is_main and result.reason == "finished":
         from reve_jax import viz
 
@@ -235,6 +246,8 @@ def run(cfg, workdir: str | Path, worker=None, *, fresh: bool = False, extra_hoo
         "train_cpu_s": clock.cpu_s,
         "peak_tflops_source": peak_source,
     }
+    if snaps is not None:
+        summary["snapshots"] = snaps.summary()
     sampled = next(h for h in all_hooks if isinstance(h, hooks.SampleHook))
     if sampled.scores:  # the reader's scores of the last samples (procedural data)
         summary["samples_scored"] = len(sampled.scenes)

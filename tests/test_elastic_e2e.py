@@ -332,10 +332,29 @@ def _train_reference(workdir: str) -> None:
     assert code == 0, f"reference run failed, see {log.name}"
 
 
-@pytest.mark.slow
-def test_real_trainer_kill_one_of_four_matches_uninterrupted_run(tmp_path, launched):
-    ref = str(tmp_path / "reference")
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> str:
+    """The uninterrupted run both real-trainer tests compare with (trained once for the module)."""
+    ref = str(tmp_path_factory.mktemp("real_trainer") / "reference")
     _train_reference(ref)
+    return ref
+
+
+def _matches_reference(wd: str, ref: str) -> None:
+    """Every step's loss as in the uninterrupted run, and the same final parameters."""
+    got, want = metrics_by_step(wd), metrics_by_step(ref)
+    assert sorted(got) == sorted(want) == list(range(1, 11))
+    assert [got[s]["loss"] for s in want] == pytest.approx([want[s]["loss"] for s in want], rel=1e-4, abs=1e-6)
+    (ref_step, ref_params), (step, params) = _final_params([ref, wd])
+    assert ref_step == step == 10
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(ref_params, params, strict=True))
+    print(f"final params: max abs difference {diff:.3g}")
+    assert diff <= 1e-5
+
+
+@pytest.mark.slow
+def test_real_trainer_kill_one_of_four_matches_uninterrupted_run(tmp_path, launched, reference):
+    ref = reference
     wd = str(tmp_path / "elastic")
     # The kill comes before a compile ahead could finish: it would only slow this test (test_elastic_netns times it).
     args = ["--heartbeat-timeout", "5", "--no-readmit", "--no-precompile", *TINY]
@@ -353,11 +372,32 @@ def test_real_trainer_kill_one_of_four_matches_uninterrupted_run(tmp_path, launc
     assert fail["hosts"] == ["local2"] and fail["time"] - t_kill < 10
     assert rec["group_size"] == 3 and rec["restored_step"] % 3 == 0 and rec["lost_steps"] >= 1
     assert events(wd, "launch")[-1]["hosts"] == ["local0", "local1", "local3"]
-    got, want = metrics_by_step(wd), metrics_by_step(ref)
-    assert sorted(got) == sorted(want) == list(range(1, 11))
-    assert [got[s]["loss"] for s in want] == pytest.approx([want[s]["loss"] for s in want], rel=1e-4, abs=1e-6)
-    (ref_step, ref_params), (step, params) = _final_params([ref, wd])
-    assert ref_step == step == 10
-    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(ref_params, params, strict=True))
-    print(f"final params: max abs difference {diff:.3g}")
-    assert diff <= 1e-5
+    _matches_reference(wd, ref)
+
+
+@pytest.mark.slow
+def test_real_trainer_resumes_from_peer_snapshots_after_a_kill(tmp_path, launched, reference):
+    """Snapshots every step, no disk checkpoint before the end: local2 is killed after step 4 and the three
+    survivors rebuild a step from memory, local2's pieces from the copy its successor holds."""
+    wd = str(tmp_path / "elastic")
+    shm = tmp_path / "shm"  # stands in for /dev/shm, so that the test leaves nothing there
+    args = [
+        "--heartbeat-timeout", "5", "--no-readmit", "--no-precompile", *TINY, "--config.train.ckpt_every=100",
+        "--config.elastic.snapshot_every=1", f"--config.elastic.snapshot_dir={shm}",
+    ]  # fmt: skip
+    run = launched(wd, 4, args, script=TRAIN, xla_flags=FAST_COMPILE)
+    wait_until(lambda: last_metric_step(wd) >= 4, 240, "step 4 of the trainer")
+    os.kill(worker_pid(wd, "local2"), signal.SIGKILL)
+    assert run.wait(300) == 0, run.output()
+    (fail,) = events(wd, "failure")
+    (rec,) = events(wd, "recovery")
+    print(f"snapshot restore: {rec}")
+    assert fail["hosts"] == ["local2"] and rec["group_size"] == 3
+    # The snapshot of the step before the kill may still be on its way to the successor: at most 2 steps lost.
+    assert rec["restored_step"] >= 1 and rec["lost_steps"] == rec["last_step"] - rec["restored_step"] <= 2
+    with open(os.path.join(wd, "logs", f"attempt{rec['attempt']}_local0.log")) as f:
+        log = f.read()
+    assert f"restored step {rec['restored_step']} from in-memory snapshots of group 0 (4 processes)" in log
+    assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == ["10"]  # the final one: none was restored
+    _matches_reference(wd, ref=reference)
+    assert not any(shm.rglob("a0*"))  # a finished run leaves no snapshot behind

@@ -39,6 +39,8 @@ class WorkerContext:
     host: str = ""
     attempt: int = 0
     supervised: bool = False  # launched by the supervisor
+    coordinator: str = ""  # host:port of JAX's coordination service (its host is on this host's route to the group)
+    secret: bytes | None = dataclasses.field(default=None, repr=False)  # the run's key: snapshot traffic is signed
     _client: HeartbeatClient | None = None
     _stop: threading.Event = dataclasses.field(default_factory=threading.Event)
     _fence: Fence | None = None
@@ -94,6 +96,8 @@ def init_from_env(environ: dict | None = None) -> WorkerContext:
         host=env.get("REVE_HOST", ""),
         attempt=int(env.get("REVE_ATTEMPT", "0")),
         supervised=True,
+        coordinator=env.get("REVE_COORDINATOR", ""),
+        secret=secret,
     )
     if env.get("REVE_WORKDIR"):
         # Before anything can write: a process of a group the supervisor gave up on must not touch the run.
