@@ -76,6 +76,9 @@ class Reader:
     turn_step: float = 6.0
 
 
+DEFAULT_READER = Reader()
+
+
 @dataclasses.dataclass(frozen=True)
 class Readings:
     """What the reader sees in N images: background palette index or -1 (none) [N]; per cell (row-major)
@@ -286,12 +289,12 @@ def _fit_shapes(a, disc, cy, cx, mass, reader: Reader, fixed: np.ndarray, cell_w
         ).astype(np.float32)  # [M, K, W, W]
         err = np.square(cov - target[:, None]).sum(axis=(2, 3))  # [M, K]
         j = err.argmin(1)
-        e = err[np.arange(m), j]
+        e, fit = err[np.arange(m), j], cov[np.arange(m), j]
         better = e < best_err
         best_err = np.where(better, e, best_err)
         best_shape = np.where(better, si, best_shape)
         best_r = np.where(better, rr[np.arange(m), j], best_r)
-        best_cov = np.where(better[:, None, None], cov[np.arange(m), j], best_cov)
+        best_cov = np.where(better[:, None, None], fit, best_cov)
     err = np.square(fixed - target[:, None]).sum(axis=(2, 3))  # [M, 10]
     j = err.argmin(1)
     better = err[np.arange(m), j] < best_err
@@ -302,7 +305,7 @@ def _fit_shapes(a, disc, cy, cx, mass, reader: Reader, fixed: np.ndarray, cell_w
     return best_shape, best_r, best_cov
 
 
-def read_batch(images: np.ndarray, reader: Reader = Reader(), chunk: int = 64) -> Readings:
+def read_batch(images: np.ndarray, reader: Reader = DEFAULT_READER, chunk: int = 64) -> Readings:
     """Reads images (uint8, or float in [-1, 1]; [N, S, S, 3]), `chunk` at a time; returns Readings."""
     images = np.asarray(images)
     if images.ndim != 4 or images.shape[1] != images.shape[2] or images.shape[3] != 3:
@@ -374,6 +377,7 @@ def _read_chunk(images: np.ndarray, reader: Reader) -> Readings:
     votes = np.stack([((cls_w == k) & own).sum(axis=(2, 3)) for k in range(len(PALETTE))], -1)
     votes[np.arange(n), :, bg] = 0
     color = votes.argmax(-1)  # [N, 9]
+    voted = votes.max(-1) > 0  # a cell without a pixel of any object color holds nothing
     tol = np.maximum(reader.tol, 3.0 * noise)[:, None, None, None]
     cell_w = s / synthetic.GRID
     min_mass = 0.5 * min(_AREA.values()) * (synthetic.JITTER.small[0] * cell_w) ** 2
@@ -383,8 +387,11 @@ def _read_chunk(images: np.ndarray, reader: Reader) -> Readings:
     cand = np.zeros((n, 9), bool)
     todo = np.ones((n, 9), bool)
     delta_w = pix_w - field_w
+    core = np.zeros_like(cls_w, dtype=bool)
     for _ in range(2):  # a second pass for cells whose unmixed color differs from the voted one
-        core = cls_w == color[..., None, None]
+        # The object's pixels: those of its color, and on a second pass those it was read from before (an orange
+        # object on red is also a 58% blend of yellow: its pixels may have voted yellow).
+        core = ((cls_w == color[..., None, None]) | (core & todo[..., None, None])) & voted[..., None, None]
         # The object's own color: the mean of its interior (pixels of its class whose four neighbours are too,
         # so no anti-aliased edge), or the palette color for objects too small to have an interior.
         inner = core & own
@@ -408,7 +415,9 @@ def _read_chunk(images: np.ndarray, reader: Reader) -> Readings:
         inside = (py >= bounds[:, 0]) & (py < bounds[:, 1]) & (px >= bounds[:, 2]) & (px < bounds[:, 3])
         explained = (near_w | (seg_w & (a_w > 0))) & own
         clutter = 1.0 - explained.sum(axis=(2, 3)) / own.sum(axis=(1, 2))
-        now = todo & has_bg[:, None] & (m0 >= min_mass) & inside & (clutter <= reader.max_clutter)
+        # The mass on the disc (not only the confident pixels'): a blurred small object keeps its mass.
+        enough = (mass >= min_mass) & (m0 > 0)
+        now = todo & voted & has_bg[:, None] & enough & inside & (clutter <= reader.max_clutter)
         cand = np.where(todo, now, cand)
         if not now.any():
             break
@@ -484,7 +493,7 @@ def summarize(checks: dict[str, np.ndarray]) -> dict[str, float]:
     return out
 
 
-def score(images: np.ndarray, scenes: list[synthetic.Scene], reader: Reader = Reader()) -> dict[str, float]:
+def score(images: np.ndarray, scenes: list[synthetic.Scene], reader: Reader = DEFAULT_READER) -> dict[str, float]:
     """Caption alignment of `images` ([N, S, S, 3], uint8 or float in [-1, 1]) against their `scenes`.
 
     Returns {"align_<attribute>": fraction correct for each of ATTRIBUTES, "align_overall": their mean,
@@ -497,7 +506,7 @@ def score(images: np.ndarray, scenes: list[synthetic.Scene], reader: Reader = Re
     return summarize(check_batch(read_batch(images, reader), scenes))
 
 
-def check_image(image: np.ndarray, scene: synthetic.Scene, reader: Reader = Reader()) -> dict[str, list[bool]]:
+def check_image(image: np.ndarray, scene: synthetic.Scene, reader: Reader = DEFAULT_READER) -> dict[str, list[bool]]:
     """Every check the caption of `scene` implies on one image [S, S, 3]: attribute -> list of pass/fail (one
     entry for background and count, one per stated object for the others)."""
     r = read_batch(np.asarray(image)[None], reader)
