@@ -19,6 +19,7 @@ import jax
 
 from reve_jax import builder, checkpoint, config, hooks, loop, metrics, optim, xla
 from reve_jax.data import pipeline
+from reve_jax.elastic import inprocess
 from reve_jax.elastic.snapshot import Snapshots
 from reve_jax.elastic.worker import stop_on_signals
 
@@ -181,6 +182,7 @@ def run(cfg, workdir: str | Path, worker=None, *, fresh: bool = False, extra_hoo
     if is_main:
         workdir.mkdir(parents=True, exist_ok=True)
     worker = worker if worker is not None else _NullWorker()
+    inprocess.require_trainer_support(worker)
     worker.beat(0, "starting")
     if cfg.train.compile_cache:
         xla.enable_compile_cache(cfg.train.compile_cache)

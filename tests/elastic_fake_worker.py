@@ -10,7 +10,9 @@ from the checkpoint. `--fake.hang=HOST:ATTEMPT:N` makes that host's main thread 
 attempt (its heartbeat thread goes on). `--fake.rogue=HOST` makes that host's worker also append a line
 {"rogue": HOST, "attempt": A, "time": t} to metrics.jsonl every 0.2 s from a thread of its own, whatever the
 all-reduce does: a worker cut off from the others that still writes (the split-brain case fencing must stop).
-A stop request is agreed through the same all-reduce, then saved, exit 0.
+A stop request is agreed through the same all-reduce, then saved, exit 0. Launched with --in-process-recovery, a
+failed all-reduce (a peer died) is followed by an in-process recovery (reve_jax/elastic/inprocess.py): the
+survivors agree on the live devices and redo the step on them.
 """
 
 import json
@@ -21,6 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from reve_jax.elastic import inprocess  # noqa: E402
 from reve_jax.elastic.worker import init_from_env  # noqa: E402
 
 
@@ -86,9 +89,13 @@ def main() -> int:
         flush=True,
     )
     ctx.beat(step, "compiling")
-    mesh = jax.make_mesh((jax.device_count(),), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
-    sharding = NamedSharding(mesh, P("d"))
-    reduce = jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=NamedSharding(mesh, P()))
+
+    def over(devices):
+        mesh = jax.sharding.Mesh(np.asarray(devices), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+        reduce = jax.jit(lambda x: jnp.sum(x, axis=0), out_shardings=NamedSharding(mesh, P()))
+        return NamedSharding(mesh, P("d")), reduce, len(devices)
+
+    sharding, reduce, n_total = over(jax.devices())
     hang_host, hang_attempt, hang_after = (opts["hang"].split(":") + ["", "", ""])[:3]
     first_step = step
     is_main = ctx.process_id == 0
@@ -101,9 +108,19 @@ def main() -> int:
         # Each device contributes (1, stop flag): the sum counts the devices and whether any process must
         # stop.
         local = np.tile(np.array([[1.0, float(ctx.stop_requested())]], np.float32), (jax.local_device_count(), 1))
-        total = np.asarray(reduce(jax.make_array_from_process_local_data(sharding, local)))
+        try:
+            total = np.asarray(reduce(jax.make_array_from_process_local_data(sharding, local)))
+        except Exception as e:  # a peer died: with in-process recovery, go on with the live ones
+            if not ctx.in_process:
+                raise
+            print(f"step {step + 1}: {type(e).__name__}: {str(e)[:200]}; recovering in-process", flush=True)
+            ctx.recovering()
+            sharding, reduce, n_total = over(inprocess.live_devices())
+            print(f"live processes now {sorted({d.process_index for d in sharding.mesh.devices.flat})}", flush=True)
+            ctx.beat(step, "compiling")
+            continue
         n_dev, stop = float(total[0]), total[1] > 0
-        w = 0.9 * w + 0.1 * (step % 7) * n_dev / jax.device_count()  # independent of the device count
+        w = 0.9 * w + 0.1 * (step % 7) * n_dev / n_total  # independent of the device count
         step += 1
         if is_main:
             append(metrics, {"step": step, "loss": w, "attempt": ctx.attempt, "time": time.time()})

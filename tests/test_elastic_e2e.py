@@ -285,6 +285,31 @@ def test_sigterm_saves_and_next_launch_resumes(tmp_path, launched):
     assert final["step"] == saved + 5 and final["w"] == pytest.approx(fake_w(saved + 5), rel=1e-12)
 
 
+@pytest.mark.slow
+def test_in_process_recovery_keeps_the_survivors(tmp_path, launched):
+    """--in-process-recovery: local2's worker is killed; local0 and local1 keep their processes (no relaunch),
+    their all-reduce fails after the collective timeout, they agree on the live devices and redo the step."""
+    wd = str(tmp_path / "run")
+    args = fake_args(40, 10, "--no-readmit", "--in-process-recovery", "--collective-timeout", "5")
+    run = launched(wd, 3, args)
+    wait_until(lambda: last_metric_step(wd) >= 8, 60, "step 8")
+    pids = dict(events(wd, "spawn")[-1]["pids"])
+    t_kill = time.time()
+    os.kill(pids["local2"], signal.SIGKILL)
+    rec = recovery_after(wd, t_kill)
+    assert run.wait(120) == 0, run.output()
+    (shrink,) = events(wd, "shrink")
+    assert shrink == {**shrink, "hosts": ["local0", "local1"], "lost": ["local2"], "attempt": 0}
+    assert len(events(wd, "launch")) == 1 and not events(wd, "fence")[1:]  # one group, never relaunched
+    assert rec["cause"] == "in-process" and rec["group_size"] == 2 and rec["lost_steps"] == 0
+    print(f"in-process: kill -> training again {rec['time'] - t_kill:.2f} s; record {rec}")
+    with open(os.path.join(wd, "logs", "attempt0_local1.log")) as f:
+        assert "recovering in-process" in f.read()
+    with open(os.path.join(wd, "fake_ckpt.json")) as f:
+        final = json.load(f)
+    assert final["step"] == 40 and final["w"] == pytest.approx(fake_w(40), rel=1e-12)
+
+
 # ------------------------------------------------------------------------------------- the real trainer
 TINY = [
     "--config.model.depth=1", "--config.model.width=32", "--config.model.heads=2", "--config.text.width=32",

@@ -375,3 +375,36 @@ def test_exiting_worker_may_fall_silent_and_a_lost_one_is_fenced_not_waited_for(
     r.exit_all(-9, hosts=["h0", "h1", "h3"])  # the kill reaches the others; h2's process is never seen to exit
     assert r.of(P.Launch)[-1] == P.Launch(1, ("h0", "h1", "h3"))
     assert r.policy.likely_sizes() == [2, 4]  # one host fewer, or all four once h2 is back
+
+
+def test_in_process_recovery_keeps_the_survivors_of_an_exit_and_relaunches_otherwise():
+    """An exited host (not the coordinator's) shrinks the group in place; the recovery is timed from the
+    survivors' new start step. A lost host, or the coordinator's, still relaunches."""
+    r = Run(exit_window=0.5, in_process=True, heartbeat_timeout=5.0)
+    r.train(10)
+    r.feed(P.Exit(r.t, 0, "h2", -9))
+    r.tick(0.6)
+    assert not r.of(P.Kill) and len(r.of(P.Launch)) == 1
+    assert r.records("shrink") == [{"attempt": 0, "hosts": ["h0", "h1", "h3"], "lost": ["h2"]}]
+    assert r.group.hosts == ("h0", "h1", "h3") and r.records("quarantine")[0]["host"] == "h2"
+    r.beat_all(10, start=0)  # in the collective still: their old start step must not end the recovery
+    r.tick(3.0)  # the survivors' collective times out, they agree on the live devices and redo step 11
+    for h in r.group.hosts:
+        r.feed(P.Beat(r.t, 0, h, 10, "compiling", 10, restarts=1))
+    r.tick(1.0)
+    for h in r.group.hosts:
+        r.feed(P.Beat(r.t, 0, h, 11, "train", 10, restarts=1))
+    (rec,) = r.records("recovery")
+    assert rec["cause"] == "in-process" and rec["group_size"] == 3 and rec["lost_steps"] == 0
+    assert rec["total_s"] == pytest.approx(4.6) and rec["attempt"] == 0  # from the exit
+    r.train(5)
+    for _ in range(3):  # h3 goes silent: lost, not exited -> relaunch as before
+        r.tick(2.0)
+        for h in ("h0", "h1"):
+            r.feed(P.Beat(r.t, 0, h, 16, "train", 10, restarts=1))
+    assert r.of(P.Kill) and r.records("failure")[-1]["hosts"] == ["h3"]
+    r2 = Run(exit_window=0.5, in_process=True)
+    r2.train(5)
+    r2.feed(P.Exit(r2.t, 0, "h0", -9))  # the coordinator's host: every process aborts
+    r2.tick(0.6)
+    assert r2.of(P.Kill) and not r2.records("shrink")

@@ -255,6 +255,14 @@ class HeartbeatClient:
         if changed:
             self._wake.set()
 
+    def restart(self) -> None:
+        """Forgets the start step: the next step reported outside the start-up phases is the new one (a group
+        that recovered in-process restarted from it). Beats count the restarts, so that the supervisor can tell
+        a start step of before the restart, still in flight, from the new one."""
+        with self._lock:
+            self._start_step = None
+            self._extra["restarts"] = self._extra.get("restarts", 0) + 1
+
     def exiting(self) -> None:
         """Marks the process as on its way out (phase "exiting", the step kept): silence is expected now."""
         with self._lock:

@@ -15,7 +15,7 @@ import argparse
 import os
 import re
 
-from reve_jax.elastic import backends
+from reve_jax.elastic import backends, inprocess
 from reve_jax.elastic.policy import PolicyConfig
 from reve_jax.elastic.supervisor import Supervisor, WorkerSettings
 
@@ -80,6 +80,19 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         action="store_true",
         help="as before the recovery work (for comparisons): every process compiles for itself, no compile-ahead, "
         "no standbys",
+    )
+    p.add_argument(
+        "--in-process-recovery",
+        action="store_true",
+        help="when a host's process exits, the others go on in their processes as a smaller group (reve_jax/"
+        "elastic/inprocess.py: not the coordinator's host; worker scripts that support it, not the trainer yet)",
+    )
+    p.add_argument(
+        "--collective-timeout",
+        type=float,
+        default=30.0,
+        help="with --in-process-recovery: s before a collective with a dead peer fails (CPU); it must also cover "
+        "every legitimate wait in a collective",
     )
     p.add_argument("--quiet", action="store_true")
     args, rest = p.parse_known_args(argv)
@@ -178,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         ckpt_every=hints.get("ckpt_every", 0),
         total_steps=hints.get("steps", 0),
         fenced=True,  # the supervisor fences every group it gives up on (fence.py)
+        in_process=args.in_process_recovery,
     )
     cache = os.path.abspath(args.compile_cache or os.path.join(workdir, "..", "jax_cache"))
     worker = WorkerSettings(
@@ -197,6 +211,11 @@ def main(argv: list[str] | None = None) -> int:
             **{k: v for k, v in os.environ.items() if k.startswith("JAX_MTLS_")},
             "JAX_COMPILATION_CACHE_DIR": cache,
             **({"REVE_SHARE_EXECUTABLES": "0"} if args.no_fast_recovery else {}),
+            **(
+                {inprocess.IN_PROCESS_ENV: "1", inprocess.TIMEOUT_ENV: str(int(args.collective_timeout))}
+                if args.in_process_recovery
+                else {}
+            ),
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0",
         },

@@ -22,6 +22,7 @@ class Beat:
     where: str = ""  # the main thread's file:line:function, to tell a hung host from ones waiting on it
     joined: bool = False  # the process has joined the JAX process group
     compile_s: float = 0.0  # seconds spent tracing, lowering and compiling (or loading compiled) programs so far
+    restarts: int = 0  # in-process recoveries so far: a start step reported before the latest one is stale
 
 
 @dataclasses.dataclass(frozen=True)

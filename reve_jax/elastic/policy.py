@@ -70,6 +70,10 @@ class PolicyConfig:
     # The supervisor fences a killed group off the run directory (fence.py), so a host lost by heartbeat (cut
     # off, frozen) need not be reported gone before the next group starts: the kill may never reach it.
     fenced: bool = False
+    # In-process recovery (inprocess.py): when the failed hosts exited and process 0's host is not one of them, the
+    # survivors keep their processes and go on as a smaller group (same attempt) if that size is allowed; anything
+    # else (a lost or hung host, the coordinator's, a size not allowed) relaunches as before.
+    in_process: bool = False
 
 
 # ---------------------------------------------------------------------------------------------------- state
@@ -101,6 +105,8 @@ class Member:
     compile_at_restore: float | None = None  # ... when it reported its restored step
     exit_code: int | None = None
     exit_t: float | None = None
+    restarts: int = 0  # beats from before this many in-process restarts carry a stale start step
+    seen_restarts: int = 0  # the worker's in-process restarts, as its beats report them
 
 
 @dataclasses.dataclass
@@ -222,6 +228,8 @@ class Policy:
         m = g.members[ev.host]
         if m.exit_code is not None:
             return
+        stale = ev.restarts < m.restarts  # sent before this worker restarted in-process: its start step is old
+        m.seen_restarts = max(m.seen_restarts, ev.restarts)
         if m.first_beat_t is None:
             m.first_beat_t = ev.t
         m.last_beat_t = ev.t
@@ -231,11 +239,11 @@ class Policy:
         m.compile_s = max(m.compile_s, ev.compile_s)
         if ev.joined and m.joined_t is None:
             m.joined_t = ev.t
-        if ev.start_step is not None:
+        if ev.start_step is not None and not stale:
             if m.start_step is None:
                 m.compile_at_restore = m.compile_s
             m.start_step = ev.start_step
-        if ev.phase == "train" and m.start_step is not None and ev.step > m.start_step:
+        if ev.phase == "train" and m.start_step is not None and ev.step > m.start_step and not stale:
             m.trained = True
             if g.rate_t0 is None:
                 g.rate_t0 = (ev.t, ev.step)
@@ -402,6 +410,9 @@ class Policy:
                 if m.exit_code is None:
                     m.exit_code, m.exit_t = EXIT_FENCED, t
                     out.append(Record("fenced_off", {"attempt": g.attempt, "host": h}))
+        if self._can_shrink(g, hosts, reason):
+            self._shrink(t, hosts, fault_t, out)
+            return
         if self.recovery is None:
             self.recovery = Recovery("failure", tuple(hosts), fault_t, t, g.max_step)
         else:  # failed again before the recovery finished: one longer recovery
@@ -410,6 +421,36 @@ class Policy:
             if "failure" not in self.recovery.cause:
                 self.recovery.cause += "+failure"
         self._kill(t, reason, out)
+
+    def _can_shrink(self, g: Group, hosts: list[str], reason: str) -> bool:
+        if not self.config.in_process or not hosts or g.mode != "running" or not reason.startswith("exit code"):
+            return False
+        rest = [h for h in g.hosts if h not in hosts]
+        if g.hosts[0] in hosts or any(g.members[h].exit_code is not None for h in rest):
+            return False  # the coordination service died with process 0, or the others did not survive
+        if self.recovery is not None and self.recovery.attempt != g.attempt:
+            return False  # a relaunch is still on its way
+        return self._size_for(len(rest)) == len(rest)
+
+    def _shrink(self, t: float, hosts: list[str], fault_t: float, out: list[Action]) -> None:
+        """The survivors of the failed `hosts` go on in their processes: the group loses those members and
+        is timed as a recovery until every survivor trained past the step it restarted from."""
+        g = self.group
+        g.hosts = tuple(h for h in g.hosts if h not in hosts)
+        for h in hosts:
+            del g.members[h]
+        g.first_failed_exit_t = None
+        ongoing = self.recovery is not None and self.recovery.cause == "in-process"
+        for m in g.members.values():
+            m.start_step, m.trained, m.compile_at_restore, m.progress_t = None, False, None, t
+            if not ongoing:  # one restart of the worker may cover both failures of an ongoing recovery
+                m.restarts = m.seen_restarts + 1
+        r = Recovery("in-process", tuple(hosts), fault_t, t, g.max_step, attempt=g.attempt)
+        r.down_t = r.launch_t = r.connected_t = r.joined_t = t
+        if self.recovery is not None:  # a second failure while the first recovery ran
+            r.relaunches, r.fault_t = self.recovery.relaunches + 1, self.recovery.fault_t
+        self.recovery = r
+        out.append(Record("shrink", {"attempt": g.attempt, "hosts": list(g.hosts), "lost": list(hosts)}))
 
     def _kill(self, t: float, reason: str, out: list[Action]) -> None:
         g = self.group

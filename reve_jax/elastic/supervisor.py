@@ -312,6 +312,7 @@ def _beat_from(t: float, msg: dict) -> P.Beat | None:
             str(msg.get("where", "")),
             bool(msg.get("joined", False)),
             float(msg.get("compile_s", 0.0)),
+            int(msg.get("restarts", 0)),
         )
     except (KeyError, TypeError, ValueError):
         return None

@@ -25,7 +25,7 @@ import signal
 import sys
 import threading
 
-from reve_jax.elastic import auth, standby
+from reve_jax.elastic import auth, inprocess, standby
 from reve_jax.elastic.channel import HeartbeatClient
 from reve_jax.elastic.fence import Fence
 
@@ -41,6 +41,7 @@ class WorkerContext:
     supervised: bool = False  # launched by the supervisor
     coordinator: str = ""  # host:port of JAX's coordination service (its host is on this host's route to the group)
     secret: bytes | None = dataclasses.field(default=None, repr=False)  # the run's key: snapshot traffic is signed
+    in_process: bool = False  # survivors of a failure go on in this process (inprocess.py)
     _client: HeartbeatClient | None = None
     _stop: threading.Event = dataclasses.field(default_factory=threading.Event)
     _fence: Fence | None = None
@@ -59,6 +60,13 @@ class WorkerContext:
         client_stop = self._client is not None and self._client.stop_event.is_set()
         return client_stop or self._stop.is_set()
 
+    def recovering(self) -> None:
+        """This process recovers in-process (inprocess.py): the next "compiling" beat reports the step it
+        restarted from, as after a relaunch (the supervisor times the recovery and counts lost steps from it)."""
+        if self._client is not None:
+            self._client.restart()
+        self.beat(-1, "restoring")
+
     def fenced(self) -> bool:
         """True once the supervisor gave up on this group and a later one owns the run directory (fence.py): the
         process must not write there (the guard installed by init_from_env exits it at its next write)."""
@@ -66,7 +74,9 @@ class WorkerContext:
 
     def close(self) -> None:
         """Sends the last state (phase "exiting": the process may wait in JAX's shutdown without beating) and
-        stops the heartbeat thread."""
+        stops the heartbeat thread; a recoverable group's processes leave together (inprocess.leave)."""
+        if self.in_process:
+            inprocess.leave(self.process_id, self.num_processes)
         if self._client is not None:
             self._client.exiting()
             self._client.close()
@@ -98,6 +108,7 @@ def init_from_env(environ: dict | None = None) -> WorkerContext:
         supervised=True,
         coordinator=env.get("REVE_COORDINATOR", ""),
         secret=secret,
+        in_process=inprocess.enabled(env),
     )
     if env.get("REVE_WORKDIR"):
         # Before anything can write: a process of a group the supervisor gave up on must not touch the run.
@@ -164,6 +175,8 @@ def _join_jax(env, ctx: WorkerContext) -> None:
     # One compile per group instead of one per process, and executables compiled ahead for this group size.
     if env.get("REVE_SHARE_EXECUTABLES", "1") != "0":
         xla.share_executables_between_processes()
+    if ctx.in_process:
+        inprocess.configure(env)
     # CPU processes talk through gloo; the option is harmless on GPU and may be gone in later versions.
     with contextlib.suppress(AttributeError, KeyError, ValueError):
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
