@@ -380,7 +380,10 @@ def _read_chunk(images: np.ndarray, reader: Reader) -> Readings:
     voted = votes.max(-1) > 0  # a cell without a pixel of any object color holds nothing
     tol = np.maximum(reader.tol, 3.0 * noise)[:, None, None, None]
     cell_w = s / synthetic.GRID
-    min_mass = 0.5 * min(_AREA.values()) * (synthetic.JITTER.small[0] * cell_w) ** 2
+    # Half the smallest object's area at this size (the dataset keeps 16 px objects at the fixed sizes).
+    g = synthetic.geometry_strength(images.shape[1])
+    r_min = synthetic.SIZE_EXTENT["small"] + g * (synthetic.JITTER.small[0] - synthetic.SIZE_EXTENT["small"])
+    min_mass = 0.5 * min(_AREA.values()) * (r_min * cell_w) ** 2
     shape = np.full((n, 9), -1)
     size = np.full((n, 9), -1)
     iou = np.zeros((n, 9))
