@@ -6,6 +6,7 @@ restore, compile, first step), per run and as the median of --repeat runs per fa
     XLA_FLAGS="--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true" \\
         python scripts/bench_recovery.py --trainer real --bed netns --fault kill,stop,partition --repeat 3
     ... --no-fast-recovery       # as before the recovery work: every process compiles, no compile-ahead or standby
+    ... --trainer real --snapshot-every 1    # in-memory snapshots every step: the restore reads them (peers)
 
 --bed local: one process per host on this machine (faults kill, stop). --bed netns: hosts are network namespaces
 with their own sshd, reached over SSH (reve_jax/elastic/testbed.py; needs root; faults kill, stop, partition).
@@ -104,6 +105,8 @@ def one_run(args, fault: str, rep: int, bed) -> dict:
         "--group-sizes", "auto" if real else "any", f"--config.train.steps={steps}",
         f"--config.train.ckpt_every={every}", *(TINY if real else ["--worker-arg=--fake.step_time=0.1"]),
         *(["--no-fast-recovery"] if args.no_fast_recovery else []),
+        *([f"--config.elastic.snapshot_every={args.snapshot_every}"] if args.snapshot_every else []),
+        *([f"--config.elastic.snapshot_dir={os.path.join(workdir, 'shm')}"] if args.snapshot_every else []),
     ]  # fmt: skip
     with open(os.path.join(workdir, "launcher.log"), "ab") as log:
         launcher = subprocess.Popen(argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -150,6 +153,7 @@ def main() -> int:
     p.add_argument("--heartbeat", type=float, default=3.0, help="the launcher's --heartbeat-timeout (s)")
     p.add_argument("--seed", type=int, default=0, help="picks the victim and the step")
     p.add_argument("--no-fast-recovery", action="store_true", help="the launcher's flag: measure 'before'")
+    p.add_argument("--snapshot-every", type=int, default=0, help="real trainer: elastic.snapshot_every (0: off)")
     p.add_argument("--workdir", default="")
     p.add_argument("--timeout", type=float, default=600.0, help="s to wait for any one thing")
     args = p.parse_args()
@@ -179,10 +183,11 @@ def main() -> int:
                 print(f"{fault} {rep}: " + ", ".join(f"{k} {v:.2f}" for k, v in r.items() if isinstance(v, float))
                       + f"; lost {r['lost_steps']} steps, {r['group']}, victim {r['victim']}", flush=True)  # fmt: skip
     print(f"\nmedians (s), load {os.getloadavg()[0]:.1f} at the end")
-    head = ["fault", "runs", *SPLIT, "sum", "fault made -> training"]
+    head = ["fault", "runs", *SPLIT, "sum", "fault made -> training", "lost steps"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for fault, rs in results.items():
         cells = [f"{statistics.median(r[k] for r in rs):.2f}" for k in (*SPLIT, "total_s", "wall")]
+        cells.append(f"{statistics.median(r['lost_steps'] for r in rs):g}")
         print(f"| {fault} | {len(rs)} | " + " | ".join(cells) + " |")
     return 0
 

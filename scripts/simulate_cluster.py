@@ -4,6 +4,8 @@
     python scripts/simulate_cluster.py --compare --compare-spares 16   # vs restart-all on the same failure trace
     python scripts/simulate_cluster.py --recommend            # sweep + refine the checkpoint interval
     python scripts/simulate_cluster.py --preset llama3        # Llama 3's setting (calibration)
+    python scripts/simulate_cluster.py --before-after         # the recovery mechanisms: each alone, then all
+    python scripts/simulate_cluster.py --mechanisms fast_restart,snapshots   # one run with them
     python scripts/simulate_cluster.py --hosts 512 --failures-per-gpu-day 1e-3 --ckpt-interval-s 900 --json out.json
 
 Every field of reve_jax.plan.cluster.ClusterConfig is an option (--repair-median-h, --restart-s, ...).
@@ -26,6 +28,10 @@ def main(argv=None):
     parser.add_argument("--compare", action="store_true", help="isolate and restart-all on one trace")
     parser.add_argument("--compare-spares", type=int, default=0, help="with --compare: also both with N spares")
     parser.add_argument("--recommend", action="store_true", help="sweep the checkpoint interval")
+    parser.add_argument(
+        "--mechanisms", default="", help=f"comma list of {', '.join(cluster.RECOVERY_MECHANISMS)}: applied first"
+    )
+    parser.add_argument("--before-after", action="store_true", help="the loss table without and with each mechanism")
     parser.add_argument("--json", default="", help="write the result(s) here")
     parser.add_argument("--dry-run", action="store_true", help="check the options, then exit")
     cluster.add_arguments(parser)
@@ -36,17 +42,25 @@ def main(argv=None):
         fields, policy = cluster.PRESETS[args.preset]
         base = dataclasses.replace(base, **fields)
     policy = args.policy or policy
-    c = cluster.config_from_args(args, base)
+    mechanisms = [m for m in args.mechanisms.split(",") if m]
+    c = cluster.config_from_args(args, cluster.with_mechanisms(base, mechanisms) if mechanisms else base)
     if args.dry_run:
         spares = f" (and both with {args.compare_spares} spares)" if args.compare_spares else ""
         what = f"compare isolate and restart-all{spares}" if args.compare else f"simulate policy {policy}"
+        what += " without and with each recovery mechanism" if args.before_after else ""
         cli.dry_run_exit(
             f"would {what} over {c.days:g} days of {c.hosts:,} hosts x {c.gpus_per_host} GPUs"
             + (", then sweep the checkpoint interval" if args.recommend else "")
             + (f"; results to {args.json}" if args.json else "")
         )
     out = {}
-    if args.compare:
+    if args.before_after:
+        results = interval.compare_mechanisms(c, policy)
+        print(report.describe_cluster(c))
+        print(report.format_comparison(results))
+        print("\n" + report.format_mechanisms(results))
+        out["before_after"] = {k: report.to_json(r) for k, r in results.items()}
+    elif args.compare:
         results = interval.compare_policies(c, args.compare_spares)
         print(report.describe_cluster(dataclasses.replace(c, spares=0)))
         print(report.format_comparison(results))

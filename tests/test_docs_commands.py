@@ -72,6 +72,7 @@ QUICK = {
     "scripts/bench_speedup.py --rescore": Quick(inputs=("--out",)),
     "scripts/launch.py": HELP,  # supervises training processes on hosts or a SLURM allocation
     "scripts/bench_recovery.py": HELP,  # a 4-host elastic run with a kill: a minute or more
+    "scripts/bench_snapshot.py": Quick(),  # 4-host runs with and without snapshots: minutes
     "scripts/evaluate.py": HELP,  # samples hundreds of images from a run and scores them
     "scripts/train_autoencoder.py": HELP,  # trains an autoencoder (minutes); has no --dry-run yet
     "scripts/device_bench.sh": Quick((), "", before=("-n",)),  # the GPU rows (SMOKE=1: minutes on a CPU): syntax

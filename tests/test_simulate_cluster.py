@@ -105,3 +105,22 @@ def test_cli_runs_and_reports(tmp_path, capsys):
     )
     text = capsys.readouterr().out
     assert "goodput" in text and "rework" in text and out.exists()
+
+
+def test_recovery_mechanisms_cut_their_losses_and_keep_the_accounting_exact():
+    """Snapshots: rework falls to the last surviving snapshot and restores read the peers' copies; the fast
+    restart shortens restart and start-up; in-process recovery shrinks the group for exits instead of
+    relaunching. Every GPU-second stays in one bucket."""
+    results = interval.compare_mechanisms(SMALL)
+    before, snap = results["before"], results["+ snapshots"]
+    fast, inproc = results["+ fast_restart"], results["+ in_process"]
+    assert before.faults == snap.faults == inproc.faults  # one trace
+    for r in results.values():
+        assert sum(r.gpu_hours.values()) == pytest.approx(_gpu_hours(SMALL), rel=1e-9)
+    assert snap.gpu_hours["rework"] < 0.2 * before.gpu_hours["rework"] and snap.gpu_hours["snapshot"] > 0
+    assert snap.restores["peers"] > 0 and before.restores == {"disk": before.records["launch"]}
+    assert fast.gpu_hours["restart"] < 0.2 * before.gpu_hours["restart"]
+    assert inproc.records["shrink"] > 0 and inproc.records["launch"] < before.records["launch"]
+    best = results["+ fast_restart + snapshots"]
+    assert best.goodput > max(before.goodput, snap.goodput, fast.goodput)
+    assert "snapshot" in report.format_comparison(results) and "restores" in report.format_mechanisms(results)

@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -66,6 +67,7 @@ class PeerServer:
         self.sock = socket.create_server((bind, 0))
         self.address = f"{bind}:{self.sock.getsockname()[1]}"
         self.rejected: Counter = Counter()
+        self.receive_cpu_s: list[float] = []  # CPU seconds of each accepted push
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._newest: dict[int, int] = {}  # owner -> newest step pushed (older pushes are replays)
         self._closed = False
@@ -128,6 +130,7 @@ class PeerServer:
         if sid.step <= self._newest.get(sid.owner, -1):
             raise PeerError(f"push of {sid.name}: step {sid.step} is not newer than {self._newest[sid.owner]}")
         self._reply(conn, msg, True)  # go ahead: nothing is sent before the header is accepted
+        cpu0 = time.thread_time()
         manifest = _read_exact(f, mlen)
         if hashlib.sha256(manifest).hexdigest() != msg["manifest_sha256"]:
             raise PeerError("manifest digest mismatch")
@@ -138,6 +141,7 @@ class PeerServer:
             raise PeerError("data digest mismatch")
         self.store.commit(tmp, sid)
         self._newest[sid.owner] = sid.step
+        self.receive_cpu_s.append(time.thread_time() - cpu0)
         return b""
 
     def _reply(self, conn, msg: dict, ok: bool, payload: bytes = b"", error: str = ""):

@@ -104,7 +104,8 @@ class Snapshots:
         self.server = None
         self.peers: dict[int, str] = {}
         self._rounds = 0
-        self.stats = {"taken": 0, "skipped": 0, "failed": 0, "main_s": [], "host_s": [], "write_s": [], "push_s": []}
+        self.stats = {"taken": 0, "skipped": 0, "failed": 0}
+        self.stats.update({k: [] for k in ("main_s", "host_s", "write_s", "push_s", "cpu_s")})
         if self.n > 1:
             if self.secret is None:
                 raise RuntimeError("snapshots across processes need the run's secret: launch with scripts/launch.py")
@@ -229,7 +230,7 @@ class Snapshots:
     def save(self, step: int, copy, meta: dict) -> None:
         """Runs on the snapshot thread: pieces to host memory, into the store, and to the successor."""
         try:
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), time.thread_time()
             arrays = shards.extract(jax.tree.leaves(copy), self.owned)
             del copy
             t1 = time.perf_counter()
@@ -247,14 +248,17 @@ class Snapshots:
                 log.warning("snapshot of step %d failed: %s: %s", step, type(e).__name__, e)
             return
         self.stats["taken"] += 1
-        for k, v in (("host_s", t1 - t0), ("write_s", t2 - t1), ("push_s", t3 - t2)):
+        cpu = time.thread_time() - cpu0  # this thread's CPU: on a CPU "device" it is taken from the step
+        for k, v in (("host_s", t1 - t0), ("write_s", t2 - t1), ("push_s", t3 - t2), ("cpu_s", cpu)):
             self.stats[k].append(v)
 
     def summary(self) -> dict:
         """Counts and median seconds of the snapshots taken (for logs and the trainer's summary)."""
         out = {k: self.stats[k] for k in ("taken", "skipped", "failed")}
-        for k in ("main_s", "host_s", "write_s", "push_s"):
+        for k in ("main_s", "host_s", "write_s", "push_s", "cpu_s"):
             out[k] = float(np.median(self.stats[k])) if self.stats[k] else 0.0
+        received = self.server.receive_cpu_s if self.server is not None else []
+        out["receive_cpu_s"] = float(np.median(received)) if received else 0.0
         return out
 
     def close(self, finished: bool = False) -> None:
@@ -303,7 +307,7 @@ class SnapshotHook:
         if s["taken"] or s["skipped"]:
             log.info(
                 "snapshots: %d taken, %d skipped, %d failed; median main thread %.1f ms, to host %.1f ms, "
-                "write %.1f ms, push %.1f ms",
+                "write %.1f ms, push %.1f ms; thread CPU %.1f ms, receiving the predecessor's %.1f ms",
                 s["taken"], s["skipped"], s["failed"], 1e3 * s["main_s"], 1e3 * s["host_s"], 1e3 * s["write_s"],
-                1e3 * s["push_s"],
+                1e3 * s["push_s"], 1e3 * s["cpu_s"], 1e3 * s["receive_cpu_s"],
             )  # fmt: skip

@@ -57,6 +57,13 @@ class ClusterConfig:
     first_step_s: float = 120.0  # compile (from the persistent cache) and the first step
     kill_s: float = 30.0  # a killed group is gone (also the policy's kill_timeout)
     probe_s: float = 60.0  # one health probe of a quarantined host
+    # --- in-memory snapshots (reve_jax/elastic/snapshot.py): each host's pieces also on its ring successor
+    snapshot_interval_s: float = 0.0  # compute time between snapshots at full size (rounded to whole steps; 0: off)
+    snapshot_save_s: float = 0.0  # training time one snapshot blocks (the main thread's share; the rest overlaps)
+    snapshot_restore_s: float = 60.0  # restoring from the surviving copies in host memory instead of the disk
+    # --- in-process recovery (reve_jax/elastic/inprocess.py): survivors of an exited host keep their processes
+    in_process: bool = False
+    collective_timeout_s: float = 30.0  # a collective with a dead peer fails after this (the in-process detection)
     # --- supervisor policy (reve_jax.elastic.policy.PolicyConfig, at cluster scale)
     heartbeat_timeout: float = 30.0
     progress_timeout: float = 300.0
@@ -86,6 +93,11 @@ class ClusterConfig:
         """The checkpoint cadence in steps."""
         return max(1, round(self.ckpt_interval_s / self.step_s))
 
+    @property
+    def snapshot_every(self) -> int:
+        """The snapshot cadence in steps (0: no snapshots)."""
+        return max(1, round(self.snapshot_interval_s / self.step_s)) if self.snapshot_interval_s > 0 else 0
+
     def job_mtbf_s(self) -> float:
         """Mean time between failures of the hosts the job trains on (the M of Young's formula)."""
         per_s = self.failures_per_gpu_day * self.hosts * self.gpus_per_host / 86_400.0
@@ -107,6 +119,7 @@ def policy_config(c: ClusterConfig, policy: str) -> PolicyConfig:
         ckpt_every=c.ckpt_every,
         # The simulated run is open-ended, and a crash loop is not modelled: never give up on progress.
         max_failures_without_progress=10**9,
+        in_process=c.in_process,
     )
     if c.readmit_rule not in ("cost", "always"):
         raise ValueError(f"readmit_rule {c.readmit_rule!r} is not 'cost' or 'always'")
@@ -212,6 +225,46 @@ PRESETS = {
     # Llama 3 405B: 16,384 H100s for 54 days; a failed host is replaced and the whole job restarts.
     "llama3": (dict(hosts=2048, spares=32, days=54.0), "restart-all"),
 }
+
+
+# The recovery mechanisms of docs/elastic.md at cluster scale, as ClusterConfig fields. The CPU test bed cannot
+# time a 10,000-GPU relaunch; what it measures is how much each mechanism shortens its part of a recovery or costs
+# a step, so the calibrated costs above are scaled by those before/after ratios (docs/planning.md).
+RECOVERY_MECHANISMS = {
+    # Warm standbys, compile-ahead and one executable per group (the netns bed, real trainer, SIGKILL, medians of
+    # 3, docs/elastic.md): spawn 0.96 -> 0.11 s, spawn + join 3.73 -> 0.18 s, restore (build + read) 5.07 ->
+    # 1.51 s, compile + first step 22.32 -> 4.03 s.
+    "fast_restart": dict(spawn_s=30.0 * 0.11 / 0.96, restart_s=180.0 * 0.18 / 3.73, restore_s=60.0 * 1.51 / 5.07,
+                         first_step_s=120.0 * 4.03 / 22.32),
+    # In-memory snapshots, each host's pieces also on its ring successor (elastic/snapshot.py). One snapshot took
+    # 3.9% of a step's CPU on the bed (scripts/bench_snapshot.py: main thread + snapshot thread + receiving the
+    # predecessor's), counted here as if it all blocked the step; every 10 steps. A single host's failure then
+    # costs the steps since the last snapshot, so the disk checkpoint is only the fallback (two ring neighbours
+    # lost together) and is saved hourly.
+    "snapshots": dict(snapshot_interval_s=50.0, snapshot_save_s=0.039 * 5.0, ckpt_interval_s=3600.0),
+}  # fmt: skip
+# Restore from the peers' copies / restore from the disk checkpoint: 0.26 s against 0.76 s on the bed (the real
+# trainer after a kill, 4 -> 3 local hosts, from the log before the restore to the restored step; medians of 2).
+SNAPSHOT_RESTORE_RATIO = 0.26 / 0.76
+# In-process recovery (the fake worker on local processes, 3 hosts, SIGKILL): training again 5.2 s after the
+# kill with a 5 s collective timeout, against 3.3 s for a relaunch of the same job; at cluster scale it saves the
+# relaunch (restart_s) but waits for the collective timeout, and is taken for exits of hosts other than process
+# 0's only (a lost or hung host, or the coordinator's, relaunches).
+RECOVERY_MECHANISMS["in_process"] = dict(in_process=True)
+
+
+def with_mechanisms(c: ClusterConfig, names) -> ClusterConfig:
+    """`c` with the RECOVERY_MECHANISMS `names` applied; a restore from snapshots takes SNAPSHOT_RESTORE_RATIO of
+    the (possibly shortened) restore from disk."""
+    fields: dict = {}
+    for name in names:
+        if name not in RECOVERY_MECHANISMS:
+            raise ValueError(f"unknown mechanism {name!r}; known: {sorted(RECOVERY_MECHANISMS)}")
+        fields.update(RECOVERY_MECHANISMS[name])
+    out = dataclasses.replace(c, **fields)
+    if "snapshots" in names:
+        out = dataclasses.replace(out, snapshot_restore_s=out.restore_s * SNAPSHOT_RESTORE_RATIO)
+    return out
 
 
 def add_arguments(parser) -> None:

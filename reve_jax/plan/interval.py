@@ -20,8 +20,11 @@ import time
 
 import numpy as np
 
-from reve_jax.plan.cluster import ClusterConfig, Trace, draw_trace
+from reve_jax.plan.cluster import RECOVERY_MECHANISMS, ClusterConfig, Trace, draw_trace, with_mechanisms
 from reve_jax.plan.sim import SimResult, simulate
+
+# The combinations compare_mechanisms also simulates: the relaunch path with everything, then in-process on top.
+MECHANISM_SETS = [["fast_restart", "snapshots"], ["fast_restart", "snapshots", "in_process"]]
 
 
 def young_s(cost_s: float, mtbf_s: float) -> float:
@@ -107,6 +110,16 @@ def recommend(c: ClusterConfig, policy: str = "isolate", trace: Trace | None = N
         step_s=c.step_s,
         runtime_s=time.perf_counter() - wall0,
     )
+
+
+def compare_mechanisms(c: ClusterConfig, policy: str = "isolate") -> dict[str, SimResult]:
+    """`c` as given ("before"), with each recovery mechanism alone, and with the combinations of MECHANISM_SETS,
+    all on one failure trace. Returns name -> result."""
+    trace = draw_trace(c)
+    out = {"before": simulate(c, policy, trace)}
+    for names in [[n] for n in RECOVERY_MECHANISMS] + MECHANISM_SETS:
+        out["+ " + " + ".join(names)] = simulate(with_mechanisms(c, names), policy, trace)
+    return out
 
 
 def compare_policies(c: ClusterConfig, spares: int = 0) -> dict[str, SimResult]:

@@ -11,6 +11,7 @@ from reve_jax.plan.sim import MECHANISMS, SimResult
 # What each mechanism of the accounting means, for the reports.
 MEANING = {
     "checkpoint": "blocking checkpoint saves (and the save of each clean stop)",
+    "snapshot": "training time the in-memory snapshots block",
     "rework": "work done after the last checkpoint, lost on a failure",
     "detection": "fault -> the policy kills the group (exit window, heartbeat, hang timeouts)",
     "restart": "kill -> every new process connected",
@@ -74,6 +75,8 @@ def format_result(r: SimResult) -> str:
         f"hosts broken at once: max {r.hosts_down[0]}, mean {r.hosts_down[1]:.2f}; outside the training group: "
         f"max {r.hosts_out[0]}, mean {r.hosts_out[1]:.2f}"
     )
+    if r.restores:
+        lines.append("restores: " + ", ".join(f"{v} from {k}" for k, v in sorted(r.restores.items())))
     lines.append(f"simulated in {r.runtime_s:.1f} s ({r.policy_steps:,} policy steps)")
     return "\n".join(lines)
 
@@ -81,17 +84,36 @@ def format_result(r: SimResult) -> str:
 def format_comparison(results: dict[str, SimResult]) -> str:
     """One row per policy: goodput and the share of GPU time lost to each mechanism (percent)."""
     shown = [m for m in MECHANISMS[1:] if any(r.gpu_hours[m] > 0 for r in results.values())]
-    head = f"{'policy':<28} {'goodput':>8} {'steps kept':>11} " + " ".join(f"{m[:10]:>10}" for m in shown)
+    w = max(28, *(len(name) for name in results))
+    head = f"{'policy':<{w}} {'goodput':>8} {'steps kept':>11} " + " ".join(f"{m[:10]:>10}" for m in shown)
     lines = [head]
     for name, r in results.items():
         total = sum(r.gpu_hours.values())
         cells = " ".join(f"{100 * r.gpu_hours[m] / total:>9.2f}%" for m in shown)
-        lines.append(f"{name:<28} {100 * r.goodput:>7.2f}% {r.kept_steps:>11,} {cells}")
+        lines.append(f"{name:<{w}} {100 * r.goodput:>7.2f}% {r.kept_steps:>11,} {cells}")
     base = results.get("restart-all")
     iso = results.get("isolate")
     if base is not None and iso is not None and base.kept_steps:
         gain = iso.kept_steps / base.kept_steps - 1
         lines.append(f"isolate-and-continue keeps {100 * gain:+.1f}% steps over restart-all on the same trace")
+    return "\n".join(lines)
+
+
+def format_mechanisms(results: dict[str, SimResult]) -> str:
+    """What each run of a before/after comparison changed: the fields that differ from "before", its mean
+    recovery and its restores."""
+    before = results["before"].config
+    lines = []
+    for name, r in results.items():
+        changed = {
+            f.name: getattr(r.config, f.name)
+            for f in dataclasses.fields(r.config)
+            if getattr(r.config, f.name) != getattr(before, f.name)
+        }
+        what = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in changed.items())
+        rec = ", ".join(f"{k} {v:.0f} s" for k, v in r.recovery_s.items()) or "none"
+        restores = ", ".join(f"{v} from {k}" for k, v in sorted(r.restores.items()))
+        lines.append(f"{name}: {what or 'the defaults'}; mean recovery {rec}; restores {restores}")
     return "\n".join(lines)
 
 

@@ -46,10 +46,12 @@ STAGE_LOSS = {
     "stalled": "detection",
     "killing": "restart",
     "stopping": "checkpoint",
+    "recovering": "restart",  # in-process: the survivors wait out the collective timeout and rebuild in place
 }
 MECHANISMS = (
     "productive",
     "checkpoint",
+    "snapshot",
     "rework",
     "detection",
     "restart",
@@ -78,6 +80,9 @@ class _Group:
     uncommitted: float = 0.0  # GPU-s of work since the last checkpoint: lost on a failure
     step_s: float = 0.0
     slowdown: float = 1.0
+    f_slow: float = 0.0  # shares of a step's time a straggler and the snapshots add
+    f_snap: float = 0.0
+    restarts: int = 0  # in-process recoveries of this group (the workers' beats count them)
     silent: set = dataclasses.field(default_factory=set)  # send no beats (lost, or never started)
     hung: set = dataclasses.field(default_factory=set)
     slow: set = dataclasses.field(default_factory=set)
@@ -103,6 +108,7 @@ class SimResult:
     finish: str  # "" while running at the horizon, else the policy's finish status and reason
     policy_steps: int
     runtime_s: float
+    restores: dict = dataclasses.field(default_factory=dict)  # "disk" | "peers" -> restores (the first launch's too)
 
 
 class Simulator:
@@ -119,7 +125,10 @@ class Simulator:
         self._seq = itertools.count()
         self.now = 0.0
         self.group: _Group | None = None
-        self.kept_step = 0  # the newest checkpoint: what the next group restores
+        self.kept_step = 0  # what the next group restores: the newest checkpoint, or a surviving snapshot
+        self.disk_step = 0  # the newest checkpoint on disk
+        self.from_peers = False  # the next restore reads snapshots from host memory, not the disk
+        self.restores: Counter = Counter()  # "disk" | "peers" -> restores
         self.cause = "initial"  # what the current loss of time is charged to
         self.gpu_s: dict = defaultdict(float)  # (mechanism, cause) -> GPU-seconds
         self.records: Counter = Counter()
@@ -202,7 +211,7 @@ class Simulator:
                 now = end
                 if end == g.save_end:  # the save is complete: its steps are kept
                     g.save_end = None
-                    self.kept_step = int(g.step)
+                    self.kept_step = self.disk_step = int(g.step)
                     self._add("productive", "none", g.uncommitted)
                     g.uncommitted = 0.0
                 continue
@@ -210,8 +219,9 @@ class Simulator:
             reach = now + (target - g.step) * g.step_s
             end = min(reach, t)
             work = rate * (end - now)
-            g.uncommitted += work / g.slowdown
-            self._add("slow", "slow", work * (1 - 1 / g.slowdown))
+            g.uncommitted += work * (1 - g.f_slow - g.f_snap)
+            self._add("slow", "slow", work * g.f_slow)
+            self._add("snapshot", "none", work * g.f_snap)
             if end == reach:
                 g.step = float(target)
                 g.save_end = end + self.c.ckpt_save_s
@@ -220,15 +230,47 @@ class Simulator:
             now = end
 
     def _set_rate(self, g: _Group) -> None:
-        g.slowdown = self.c.slow_factor if g.slow else 1.0
-        g.step_s = self.c.step_s * self.c.hosts / len(g.hosts) * g.slowdown
+        c = self.c
+        g.slowdown = c.slow_factor if g.slow else 1.0
+        base = c.step_s * c.hosts / len(g.hosts)  # fixed global batch: fewer hosts, longer steps
+        # A snapshot blocks snapshot_save_s at full size; each host's share of the state grows as hosts leave.
+        snap = c.snapshot_save_s * c.hosts / len(g.hosts) / c.snapshot_every if c.snapshot_every else 0.0
+        g.step_s = base * g.slowdown + snap
+        g.f_slow, g.f_snap = base * (g.slowdown - 1) / g.step_s, snap / g.step_s
 
-    def _stall(self, g: _Group, cause: str) -> None:
-        """A fault stops group g: work since the last checkpoint is lost; time until the kill is detection."""
+    def _surviving_snapshot(self, g: _Group, failed: str | None) -> int | None:
+        """The step a snapshot lets the next group restore after `failed` broke group g, or None (the disk).
+
+        The newest snapshot counts once complete (a step after it was taken: the pieces are still on their way to
+        the successor meanwhile); the state the group restored is still in the stores until a newer one replaces
+        it. A failed host's pieces survive on its ring successor unless that host is down too."""
+        k = self.c.snapshot_every
+        if not k:
+            return None
+        snap = max(math.floor((g.step - 1) / k) * k, g.restored_step)
+        if snap <= self.disk_step:
+            return None
+        if failed is not None and failed in g.hosts:
+            succ = g.hosts[(g.hosts.index(failed) + 1) % len(g.hosts)]
+            if succ != failed and self.trace.state(self.index[succ], self.now) == "down":
+                return None
+        return int(snap)
+
+    def _stall(self, g: _Group, cause: str, failed: str | None = None) -> None:
+        """A fault (on host `failed`) stops group g: work since the last checkpoint, or since the last surviving
+        snapshot, is lost; time until the kill is detection."""
         if g.stage in ("stalled", "killing"):
             return
         if g.stage in ("train", "stopping"):
-            self._add("rework", cause, g.uncommitted)
+            snap = self._surviving_snapshot(g, failed)
+            lost = g.uncommitted
+            if snap is not None:  # the steps up to the snapshot are kept
+                per_step = len(g.hosts) * self.c.gpus_per_host * g.step_s * (1 - g.f_slow - g.f_snap)
+                lost = min(g.uncommitted, max(0.0, g.step - snap) * per_step)
+                self._add("productive", "none", g.uncommitted - lost)
+                self.kept_step = snap
+            self.from_peers = snap is not None
+            self._add("rework", cause, lost)
             g.uncommitted, g.save_end = 0.0, None
             g.beat = (int(g.step), "train", g.restored_step)
         g.stage = "stalled"
@@ -255,7 +297,7 @@ class Simulator:
             return
         step, phase, start = self._report(g)
         beats = [
-            P.Beat(self.now, g.attempt, h, step, phase, start, "hung" if h in g.hung else "wait")
+            P.Beat(self.now, g.attempt, h, step, phase, start, "hung" if h in g.hung else "wait", restarts=g.restarts)
             for h in g.hosts
             if h not in g.silent
         ]
@@ -307,6 +349,8 @@ class Simulator:
                     self.detections.append((a.data["reason"], a.data["detection_s"]))
                 elif a.kind == "quarantine":
                     self._tick_at(self.now + self.c.probe_interval)  # the policy probes it then
+                elif a.kind == "shrink":
+                    self._shrink(a.data)
 
     # ------------------------------------------------------------------------------------------ actions
     def _launch(self, a: P.Launch) -> None:
@@ -320,6 +364,25 @@ class Simulator:
         self._stall(g, self.cause)
         g.stage = "killing"
         self._tick_at(self.now + self.c.kill_s)  # the policy's kill timeout takes the group down
+
+    def _shrink(self, data: dict) -> None:
+        """In-process recovery: the survivors keep their processes. They notice the dead peer when their
+        collective times out (counted from the fault, which the exit window already covers), restore in place
+        (from the snapshots' copies, else the disk) and compile for the smaller mesh."""
+        g, c = self.group, self.c
+        if g is None or g.attempt != data["attempt"]:
+            return
+        lost = set(data["lost"])
+        g.hosts = tuple(data["hosts"])
+        for s in (g.silent, g.hung, g.slow):
+            s -= lost
+        g.restarts += 1
+        g.restored_step = self.kept_step
+        g.stage, g.beat = "recovering", (self.kept_step, "compiling", self.kept_step)
+        self.restores["peers" if self.from_peers else "disk"] += 1
+        wait = max(0.0, c.collective_timeout_s - c.exit_window)
+        restore = c.snapshot_restore_s if self.from_peers else c.restore_s
+        self._at(self.now + wait + restore + c.first_step_s, "milestone", (g.attempt, "trained"))
 
     def _request_stop(self, a: P.RequestStop) -> None:
         g = self.group
@@ -354,7 +417,7 @@ class Simulator:
             if g.stage in ("train", "stopping"):
                 self._set_rate(g)
             return  # it is drained at f.degraded_until
-        self._stall(g, f.kind)
+        self._stall(g, f.kind, name)
         self._refresh(force=True)  # every member's last beat is now, this host's too
         if f.kind == CRASH:
             self._feed(P.Exit(self.now, g.attempt, name, -6))
@@ -374,7 +437,7 @@ class Simulator:
         name = self.names[f.host]
         if g is None or name not in g.slow or g.stage == "killing" or name in g.silent:
             return
-        self._stall(g, SLOW)
+        self._stall(g, SLOW, name)
         self._refresh(force=True)
         self._feed(P.Exit(self.now, g.attempt, name, -9))
         self._tick_at(self.now + self.c.exit_window)
@@ -390,7 +453,7 @@ class Simulator:
             g.slow = {h for h, s in states.items() if s == "slow"}
             dead = [h for h, s in states.items() if s == "down" and h not in g.silent]
             if dead:  # a host broke while it waited: its process cannot start
-                self._stall(g, CRASH)
+                self._stall(g, CRASH, dead[0])
                 g.silent.update(dead)
                 self._refresh(force=True)
                 self._bulk([P.Exit(self.now, attempt, h, 255) for h in dead], "_on_exit")
@@ -402,7 +465,9 @@ class Simulator:
             return
         elif what == "connect":  # only the reported phase changes: no decision needs it at once
             g.stage, g.beat = "restore", (-1, "restoring", None)
-            self._at(self.now + c.restore_s, "milestone", (attempt, "restored"))
+            self.restores["peers" if self.from_peers else "disk"] += 1
+            restore_s = c.snapshot_restore_s if self.from_peers else c.restore_s
+            self._at(self.now + restore_s, "milestone", (attempt, "restored"))
             return
         elif what == "restored":
             g.stage, g.beat = "startup", (g.restored_step, "compiling", g.restored_step)
@@ -419,7 +484,8 @@ class Simulator:
         g = self.group
         if g is None or g.attempt != attempt or g.stage != "stopping":
             return
-        self.kept_step = int(g.step)
+        self.kept_step = self.disk_step = int(g.step)
+        self.from_peers = False
         self._add("productive", "none", g.uncommitted)
         g.uncommitted = 0.0
         g.stage = "stalled"  # down until the relaunch (no time passes here)
@@ -461,6 +527,7 @@ class Simulator:
             finish="" if done is None else f"{done.status}: {done.reason}",
             policy_steps=self.steps_fed,
             runtime_s=runtime_s,
+            restores=dict(self.restores),
         )
 
 
