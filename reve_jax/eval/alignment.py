@@ -9,19 +9,23 @@ the scene or its rendering's variation. It works on a batch at once (numpy, vect
   of the pixels around it is the image's noise level. An image whose background pixels scatter more than
   `max_noise` (per channel, 0..255), or whose field covers under `min_background` of the pixels, has no
   background: noise around a mean color is not a solid background;
-- per pixel, the color evidence: the pixel seen as a blend `field + a * (c - field)` of the local background and a
-  palette color c, the way the renderer anti-aliases. A pixel at least half-way to c and within the noise of that
-  segment votes for c;
-- per cell, the object: the color with most votes in the cell; its coverage map `a`; a centroid and mass from the
-  confident pixels, refined on a disc around the centroid that may reach past the cell (an object pushed over the
-  edge is seen whole, and belongs to the cell that holds its center). Each shape is fitted by least squares to
-  the coverage: its center is the centroid, its half-extent follows from the mass and the shape's area, its
-  turn from the angular harmonic the shape has (4-fold for squares, diamonds and crosses, 3-fold for triangles),
-  each tried at three scales and turns around those. The best fit names the shape; its half-extent against the
-  gap between the dataset's size classes names the size. A cell holds an object when the mass is at least half
-  the smallest object's, the fit's soft IoU with the coverage reaches `min_iou`, the fitted center lies in the
-  cell, and few of the cell's pixels are clutter (neither background nor a blend with the object's color): noise
-  and smears hold none, so half-trained samples full of colored noise earn no count or position by luck.
+- per pixel, a color class: the pixel seen as a blend `field + a * (c - field)` of the local background and a
+  palette color c, the way the renderer anti-aliases. A pixel at least half-way along such a segment (within the
+  noise of it) takes c; one less than half-way is background; one on no segment takes its nearest color (so a
+  global tint does not hide objects);
+- per cell, the object: the color with most pixels in the cell; its coverage map `a` (against the object's own
+  shade, measured in its interior, where it has one); a centroid and mass from those pixels, refined on a disc
+  around the centroid within the cell and a rim of about a pixel at 32 px (an object pushed over the edge is seen
+  nearly whole, and belongs to the cell that holds its center). Each shape is fitted by least squares to the
+  coverage: its center is the centroid, its half-extent follows from the mass and the shape's area, its turn from
+  the angular harmonic the shape has (4-fold for squares, diamonds and crosses, 3-fold for triangles), each tried
+  at three scales and turns around those; the fixed rendering's exact templates are tried too. The best fit names
+  the shape; its half-extent against the gap between the dataset's size classes names the size; the object's
+  color is unmixed from the pixels with the fitted coverage (a cell whose unmixed color differs is read again). A
+  cell holds an object when the disc's mass is at least half the smallest object's, the fit's soft IoU with the
+  coverage (both lightly smoothed) reaches `min_iou`, the fitted center lies in the cell, and few of the cell's
+  pixels are clutter (neither background nor a blend with the object's color): noise and smears hold none, so
+  half-trained samples full of colored noise earn no count or position by luck.
 
 Checks per image: background (1), count (1: occupied cells == stated objects), and per stated object position
 (its cell holds an object), color, shape and size. As in GenEval, the attributes of an object that is not found
