@@ -12,10 +12,13 @@ import types
 from collections import Counter
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from reve_jax import builder, sharding, train_state
+from reve_jax import builder
 from reve_jax.elastic import auth, peers, shards
 from reve_jax.elastic.snapshot import Snapshots, choose
 from reve_jax.elastic.snapstore import HostStore, SetId
@@ -26,11 +29,35 @@ def emulated(device) -> int:
     return device.id // 2
 
 
-def _state(devices, *overrides):
-    cfg = tiny_config(*overrides)
-    setup = train_state.make_setup(cfg, sharding.make_mesh(cfg.mesh, devices), frozen=False)
-    state = train_state.init_state(setup)
-    return cfg, setup, state
+def _mesh(devices, shape):
+    return jax.sharding.Mesh(
+        np.asarray(devices).reshape(shape), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+    )
+
+
+def _state(mesh):
+    """A train-state-like tree: replicated, sharded on one axis, on both, uneven over processes, a scalar, bf16."""
+    specs = {
+        "params": {"w": P(None, "fsdp"), "b": P()},
+        "opt": {"mu": P("data", "fsdp"), "nu": P("fsdp")},
+        "ema": {"w": P(None, "fsdp")},
+        "step": P(),
+        "rng": P(),
+    }
+    shapes = {"params": {"w": (6, 8), "b": (8,)}, "opt": {"mu": (4, 8), "nu": (12,)}, "ema": {"w": (6, 8)}}
+    shapes.update(step=(), rng=(2,))
+    dtypes = {"rng": np.uint32, "step": np.int32}
+    out = {}
+    for k, sub in specs.items():
+        leaves = sub if isinstance(sub, dict) else {None: sub}
+        shp = shapes[k] if isinstance(sub, dict) else {None: shapes[k]}
+        built = {}
+        for name, spec in leaves.items():
+            dtype = dtypes.get(k, jnp.bfloat16 if name == "nu" else np.float32)
+            x = np.arange(int(np.prod(shp[name])), dtype=np.float32).reshape(shp[name]) + 1
+            built[name] = jax.device_put(x.astype(dtype), NamedSharding(mesh, spec))
+        out[k] = built if isinstance(sub, dict) else built[None]
+    return out
 
 
 def _equal(a, b):
@@ -39,7 +66,7 @@ def _equal(a, b):
 
 
 def test_pieces_saved_once_spread_over_processes_and_rebuilt_on_another_mesh():
-    _, setup8, state = _state(jax.devices(), "mesh.fsdp=2")
+    state = _state(_mesh(jax.devices(), (4, 2)))  # 8 devices = 4 emulated processes of 2
     leaves = jax.tree.leaves(state)
     pieces = shards.plan(leaves, emulated)
     # Every distinct shard of every leaf once, by a process that holds it.
@@ -52,17 +79,29 @@ def test_pieces_saved_once_spread_over_processes_and_rebuilt_on_another_mesh():
     for pid in range(4):
         mine = [p for p in pieces if p.owner == pid]
         saved += [(p.leaf, p.box, a) for p, a in zip(mine, shards.extract(leaves, mine, emulated), strict=True)]
-    # Onto 4 devices with fsdp 4: another layout, another process count.
-    _, setup4, _ = _state(jax.devices()[:4], "mesh.fsdp=4")
-    flat4, treedef = jax.tree.flatten(setup4.abstract_state)
-    need = shards.needed([(leaf, box) for leaf, box, _ in saved], flat4, process=0, process_of=emulated)
+    # Onto 6 devices as 2 x 3: another layout (uneven boxes against the old ones), another process count.
+    target = jax.tree.map(lambda x: x.sharding.spec, state)
+    mesh6 = _mesh(jax.devices()[:6], (2, 3))
+    abstract = jax.tree.map(
+        lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh6, _fit(spec, x.shape))),
+        state,
+        target,
+    )
+    flat6, treedef = jax.tree.flatten(abstract)
+    need = shards.needed([(leaf, box) for leaf, box, _ in saved], flat6, process=0, process_of=emulated)
     assert 0 < len(need) < len(saved)  # process 0 of the new mesh needs only what overlaps its devices
-    rebuilt = [shards.assemble(x, [(box, data) for leaf, box, data in saved if leaf == i]) for i, x in enumerate(flat4)]
-    restored = jax.tree.unflatten(treedef, rebuilt)
-    _equal(state, restored)
-    assert all(r.sharding == a.sharding for r, a in zip(rebuilt, flat4, strict=True))
+    rebuilt = [shards.assemble(x, [(box, data) for leaf, box, data in saved if leaf == i]) for i, x in enumerate(flat6)]
+    _equal(state, jax.tree.unflatten(treedef, rebuilt))
+    assert all(r.sharding == a.sharding for r, a in zip(rebuilt, flat6, strict=True))
     with pytest.raises(ValueError, match="cover"):
         shards.fill(((0, 4),), np.float32, [(((0, 2),), np.zeros(2, np.float32))])
+
+
+def _fit(spec, shape):
+    """`spec` on the 2 x 3 mesh, each dimension kept sharded only where the axis divides it."""
+    sizes = {"data": 2, "fsdp": 3}
+    dims = tuple(spec) + (None,) * (len(shape) - len(spec))
+    return P(*(a if a is not None and n % sizes[a] == 0 else None for a, n in zip(dims, shape, strict=True)))
 
 
 def test_choose_takes_the_newest_complete_step():
