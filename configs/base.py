@@ -108,8 +108,11 @@ def get_config() -> ml_collections.ConfigDict:
     lo.dino_weight = 0.0  # PRX and Linum: 0.01 (1 - cos between DINOv2 patch tokens of x_hat and x)
     lo.dino_path = ""  # converted DINOv2 .npz (ViT-B/14 with registers in the recipe)
     lo.dino_size = 224  # images resized to this for DINOv2
-    lo.repa_weight = 0.0  # PRX: 0.5; aligns block model.repa_block's tokens to DINOv2 features of x
-    lo.repa_dim = 768  # DINOv2 width (the REPA projector's output); checked against the file
+    lo.repa_weight = 0.0  # PRX: 0.5, Linum: 0.1; aligns block model.repa_block's tokens to features of x
+    # What REPA aligns to: dinov2 (patch tokens of loss.dino_path) | features (the project's own feature network of
+    # the procedural dataset, eval/features.py: no downloaded weights, for the CPU benchmarks)
+    lo.repa_target = "dinov2"
+    lo.repa_dim = 768  # the target's width (the REPA projector's output); checked against the network
     lo.repa_hidden = 1024  # REPA projector MLP hidden width
     lo.perceptual_t_min = 0.0  # LPIPS/DINO only where t >= this (t=1 clean); Linum's "t <= 0.7 noise" is 0.3
     lo.perceptual_dtype = "bfloat16"  # compute dtype of the frozen networks
@@ -127,6 +130,7 @@ def get_config() -> ml_collections.ConfigDict:
     lt.train_lr = 2e-3
     lt.train_noise = 0.1  # std of the noise added to latents while training the decoder (x the latents' std)
     lt.latent_l2 = 1e-4  # weight of the L2 pull on the raw latents
+    lt.l1_weight = 0.0  # weight of an L1 reconstruction term beside the MSE (sharper edges)
 
     c.optim = o = ml_collections.ConfigDict()
     o.name = "adamw"  # adamw | muon (Muon for 2D hidden block weights, AdamW for the rest)

@@ -31,6 +31,7 @@ CHOICES = {
     "diffusion.t_sampler": ("logit_normal", "uniform"),
     "optim.name": ("adamw", "muon"),
     "loss.perceptual_dtype": ("float32", "bfloat16"),
+    "loss.repa_target": ("dinov2", "features"),
     "optim.schedule": ("constant", "cosine", "linear"),
     "optim.muon_scale": ("moonlight", "keller"),
     "sample.sampler": ("euler", "heun"),
@@ -198,8 +199,11 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
                 f"scripts/convert_weights.py (see docs/perceptual.md)"
             )
     if lo.repa_weight > 0:
-        if not lo.dino_path:
-            raise ConfigError("loss.repa_weight > 0 needs loss.dino_path (REPA aligns to DINOv2 features)")
+        if lo.repa_target == "dinov2" and not lo.dino_path:
+            raise ConfigError(
+                "loss.repa_weight > 0 with loss.repa_target='dinov2' needs loss.dino_path (converted DINOv2 weights, "
+                "docs/perceptual.md), or loss.repa_target='features' for the project's own feature network"
+            )
         if m.repa_block < 0:
             raise ConfigError("loss.repa_weight > 0 needs model.repa_block >= 0 (the block whose tokens are aligned)")
     tr = cfg.train

@@ -160,9 +160,7 @@ class SampleHook:
             return
         checks = alignment.check_batch(alignment.read_batch(images), self.scenes)
         self.scores = alignment.summarize(checks)
-        log.info(
-            "step %d samples: %s", ctx.step, ", ".join(f"{k[6:]} {v:.2f}" for k, v in self.scores.items())
-        )
+        log.info("step %d samples: %s", ctx.step, ", ".join(f"{k[6:]} {v:.2f}" for k, v in self.scores.items()))
         if jax.process_index() == 0:
             path.parent.mkdir(exist_ok=True)
             rows = [{a: tuple(int(x) for x in checks[a][i]) for a in alignment.ATTRIBUTES} for i in range(len(images))]

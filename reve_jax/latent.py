@@ -85,7 +85,7 @@ def train(cfg, log_every: int = 500) -> tuple[autoencoder.Autoencoder, dict]:
         spread = jax.lax.stop_gradient(jnp.std(z)) + 1e-6
         recon = m.decode_raw(z + lt.train_noise * spread * jax.random.normal(key, z.shape))
         mse = jnp.mean((recon - x) ** 2)
-        return mse + lt.latent_l2 * jnp.mean(z**2), mse
+        return mse + lt.l1_weight * jnp.mean(jnp.abs(recon - x)) + lt.latent_l2 * jnp.mean(z**2), mse
 
     @jax.jit
     def step(p, o, x, key):

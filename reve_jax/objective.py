@@ -8,7 +8,8 @@ Terms, each logged as `loss_<name>` and summed into `loss`:
     lpips  LPIPS (VGG16) between the predicted and the clean image, gated to t >= loss.perceptual_t_min
     dino   1 - cos between DINOv2 patch tokens of the predicted and the clean image, same gate
     repa   REPA: 1 - cos between block model.repa_block's image tokens through a trainable projector (a head of
-           this module) and DINOv2 patch tokens of the clean image resampled onto the token grid
+           this module) and features of the clean image resampled onto the token grid: DINOv2 patch tokens, or
+           (loss.repa_target='features') the project's own feature network of the procedural dataset
 
 The token grid of a batch comes from its image shape (H / model.patch, W / model.patch), so REPA's targets are
 right under resolution stages and aspect buckets.
@@ -59,15 +60,25 @@ def load_frozen(cfg, mesh) -> FrozenNets:
         modules[AUTOENCODER] = latent.load(cfg)
     if lo.lpips_weight > 0:
         modules["lpips"] = weights.load_lpips(lo.lpips_path, dtype=dtype)
-    if lo.dino_weight > 0 or lo.repa_weight > 0:
+    repa_dino = lo.repa_weight > 0 and lo.repa_target == "dinov2"
+    if lo.dino_weight > 0 or repa_dino:
         dino = weights.load_dinov2(lo.dino_path, dtype=dtype)
         width = dino.cfg.width
-        if lo.repa_weight > 0 and width != lo.repa_dim:
+        if repa_dino and width != lo.repa_dim:
             raise ValueError(
                 f"loss.repa_dim={lo.repa_dim} but the DINOv2 file {lo.dino_path} has width {width}: "
                 f"set --config.loss.repa_dim={width}"
             )
         modules["dino"] = dino
+    if lo.repa_weight > 0 and lo.repa_target == "features":
+        from reve_jax.eval import features
+
+        net, _ = features.get_feature_net(features.DEFAULT_SPEC)
+        width = features.DEFAULT_SPEC.cell_dim
+        if width != lo.repa_dim:
+            raise ValueError(f"loss.repa_dim={lo.repa_dim} but the feature network's cells are {width} wide: "
+                             f"set --config.loss.repa_dim={width}")  # fmt: skip
+        modules["repa_features"] = net
     replicated = NamedSharding(mesh, PartitionSpec())
     graphdefs, states = {}, {}
     for name, module in modules.items():
@@ -186,9 +197,24 @@ def _dino(c: Context) -> jax.Array:
     return lo.dino_weight * jnp.mean(c.gate * perceptual.dino_loss(c.frozen["dino"], c.x_hat, c.x, lo.dino_size))
 
 
+def feature_targets(net, x: jax.Array, grid: tuple[int, int]) -> jax.Array:
+    """The project's feature network's per-cell embeddings of the clean image (its 3x3 grid of the procedural
+    scenes), resampled onto the DiT's token grid: [B, gh*gw, cell_dim], no gradient."""
+    from reve_jax.eval import features
+
+    cells, _ = perceptual.frozen(net).embed(features.to_net_input(x))
+    b, n, d = cells.shape
+    g = int(round(n**0.5))
+    fmap = jax.image.resize(cells.reshape(b, g, g, d), (b, *grid, d), method="linear", antialias=False)
+    return jax.lax.stop_gradient(fmap.reshape(b, grid[0] * grid[1], d))
+
+
 def _repa(c: Context) -> jax.Array:
     lo = c.cfg.loss
-    target = repa_targets(c.frozen["dino"], c.x, lo.dino_size, c.grid)
+    if lo.repa_target == "features":
+        target = feature_targets(c.frozen["repa_features"], c.x, c.grid)
+    else:
+        target = repa_targets(c.frozen["dino"], c.x, lo.dino_size, c.grid)
     target = jnp.take_along_axis(target, c.aux["repa_idx"][..., None], axis=1)  # the kept tokens when routed
     return lo.repa_weight * jnp.mean(_cosine_distance(c.heads.repa(c.aux["repa"]), target))
 

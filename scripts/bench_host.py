@@ -5,8 +5,6 @@
     python scripts/bench_host.py ckpt --gb 2
 """
 
-
-
 from reve_jax.bench import host
 
 if __name__ == "__main__":

@@ -5,8 +5,6 @@ reve_jax/bench/throughput.py; results and method in docs/performance.md).
     python scripts/bench_throughput.py --preset tiny --steps 2 --config.model.dtype=float32   # CPU smoke run
 """
 
-
-
 from reve_jax.bench import throughput
 
 if __name__ == "__main__":

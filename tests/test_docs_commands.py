@@ -80,6 +80,8 @@ QUICK = {
     "reve_jax.elastic.probe": Quick((), ""),  # a matmul on each device: runs as is
     "reve_jax.elastic.precompile": HELP,  # compiles the train step for another group size (the supervisor runs it)
     "reve_jax.perceptual.bench": HELP,  # compiles both perceptual losses: about a minute on a CPU
+    "reve_jax.eval.figures": HELP,  # renders and reads thousands of images: minutes
+    "reve_jax.eval.build_features": HELP,  # trains the evaluation feature net: most of an hour
 }
 
 # ----------------------------------------------------------------------------------------------- Extraction

@@ -13,7 +13,7 @@ from util import tiny_config
 
 from reve_jax import train_state
 from reve_jax.data import synthetic
-from reve_jax.eval import alignment, features, quality, vloss
+from reve_jax.eval import alignment, controls, features, quality, vloss
 
 # ------------------------------------------------------------------------------------------ caption alignment
 
@@ -134,18 +134,27 @@ def test_frechet_distance_matches_a_float64_reference():
     assert features.feature_fd(f1, f1) == pytest.approx(0.0, abs=1e-6)
 
 
+def _tiny_spec(**kw):
+    return features.FeatureSpec(
+        channels=(4, 8), cell_dim=4, global_dim=4, n_train=64, n_test=16, sizes=(32,), size_weights=(1.0,),
+        steps=3, batch=16, **kw
+    )  # fmt: skip
+
+
 def test_feature_net_is_deterministic_and_cached(tmp_path):
-    spec = features.FeatureSpec(channels=(4, 8), feat_dim=8, n_train=64, n_test=16, steps=3, batch=16)
+    spec = _tiny_spec()
     m1, info = features.get_feature_net(spec, tmp_path)
     assert (tmp_path / f"feature_net_{spec.key()}.npz").exists()
     m2, info2 = features.get_feature_net(spec, tmp_path)  # loaded from the file
     m3, _ = features.train_feature_net(spec)  # rebuilt from the seed
     images, _ = _dataset(n=6)
     f1, f2, f3 = (features.make_feature_fn(m)(images) for m in (m1, m2, m3))
-    assert f1.shape == (6, 8)
+    assert f1.shape == (6, 9 * 4 + 4)
     np.testing.assert_array_equal(f1, f2)
     np.testing.assert_allclose(f1, f3, rtol=1e-5, atol=1e-6)
-    assert info == info2 and set(info["test_accuracy"]) == set(features.HEADS)
+    assert info == info2
+    assert set(info["test_accuracy"]) == {"position", "color", "shape", "size", "empty", "background"}
+    assert _tiny_spec(seed=1).key() != spec.key()
 
 
 # ------------------------------------------------------------------------------------------ held-out v-loss
@@ -212,15 +221,20 @@ def test_evaluate_returns_every_metric(tmp_path):
     params = nnx.to_pure_dict(params)
     dcfg = DinoV2Config(width=16, depth=1, num_heads=2, mlp_dim=32, patch_size=14, pos_grid=2)
     dino = export_dinov2(DinoV2(dcfg, rngs=nnx.Rngs(0)), dcfg, tmp_path / "dino.npz")
-    spec = features.FeatureSpec(channels=(4, 8), feat_dim=8, n_train=32, n_test=8, steps=2, batch=8)
-    ev = quality.Evaluator(cfg, graphdef, 6, seed=0, feature_spec=spec, cache_dir=tmp_path, dinov2_path=dino)
+    ev = quality.Evaluator(cfg, graphdef, 6, seed=0, dinov2_path=dino, n_boot=50)  # the checked-in feature net
     out = ev(params)
-    assert {"align_overall", "align_exact", "fd_shapes", "fd_dinov2", "vloss", "eval_s"} <= set(out)
-    assert all(np.isfinite(v) for v in out.values())
+    names = {"align_overall", "align_exact", "kid", "kid_image", "fd_shapes", "fd_dinov2", "vloss", "eval_s"}
+    names |= {f"{m}_{e}" for m in ("align_overall", "align_shape", "kid", "kid_image") for e in ("lo", "hi")}
+    names |= {"kid_floor", "kid_floor_lo", "kid_floor_hi", "kid_image_floor"}
+    names |= {f"ctrl_{c}_{m}" for c in controls.NAMES for m in ("align_overall", "align_exact", "kid")}
+    assert names <= set(out), names - set(out)
+    assert all(isinstance(v, float) and np.isfinite(v) for v in out.values())
+    assert out["align_overall_lo"] <= out["align_overall"] <= out["align_overall_hi"]
     # Fixed captions, noise and seeds: the same weights score the same.
     again = ev(params)
     assert {k: v for k, v in again.items() if k != "eval_s"} == {k: v for k, v in out.items() if k != "eval_s"}
     # The real images themselves: perfect alignment and zero distances.
     real = ev(params, images=ev.heldout["image"])
-    assert real["align_overall"] == 1.0
+    assert real["align_overall"] == 1.0 and real["ctrl_real_align_overall"] == 1.0
     assert real["fd_shapes"] == pytest.approx(0.0, abs=1e-6) and real["fd_dinov2"] == pytest.approx(0.0, abs=1e-6)
+    assert real["kid"] == pytest.approx(0.0, abs=1e-9) and real["kid_image"] == pytest.approx(0.0, abs=1e-9)

@@ -6,7 +6,7 @@ import importlib
 from reve_jax.config import apply_override
 
 SIZES = ("tiny", "jit_b16", "prx_1b")
-TECHNIQUES = ("jit", "bottleneck", "tread", "muon", "ddt", "latent", "smallpatch")
+TECHNIQUES = ("jit", "bottleneck", "tread", "muon", "ddt", "repa", "latent", "smallpatch")
 RECIPE = ("jit", "bottleneck", "tread", "muon")
 
 
@@ -57,6 +57,15 @@ def apply(c, technique: str, bottleneck_rank: int):
         c.model.ddt.enc_heads = c.model.heads
         c.model.ddt.enc_depth = max(1, c.model.depth // 4)
         c.diffusion.t_eps = 0.1
+    elif technique == "repa":
+        # Linum's PixelREPA weight; the middle block's tokens (PRX: the 8th of 16). Without DINOv2 weights
+        # (loss.dino_path) the target is the project's own feature network of the procedural dataset.
+        c.loss.repa_weight = 0.1
+        c.model.repa_block = c.model.depth // 2
+        c.loss.repa_hidden = 2 * c.model.width
+        if not c.loss.dino_path:
+            c.loss.repa_target = "features"
+            c.loss.repa_dim = 48  # eval/features.py's cell embedding width
     elif technique == "latent":
         # Linum's baseline: a DiT on the latents of an autoencoder (f=4, 16 channels), at the pixel model's token
         # count (64 latent values per token at the CPU sizes). latent.path must name the trained autoencoder: a
@@ -87,9 +96,10 @@ def build(arg: str | None, default_techniques: tuple[str, ...]):
 
 
 # The speedup benchmark's methods as techniques on the pixel v-prediction DiT (`baseline`). The JIT-DDT recipe is
-# JiT's x-prediction with the bottleneck embedding and DDT's encoder-decoder towers (REPA and the perceptual losses
-# join when their target networks are given); the PRX variant adds TREAD and Muon.
-JIT_DDT = ("jit", "bottleneck", "ddt")
+# JiT's x-prediction with the bottleneck embedding, DDT's encoder-decoder towers and REPA (to DINOv2 when its
+# weights are given, else to the project's feature network; LPIPS and DINOv2 losses join through overrides when
+# their weight files are given); the PRX variant adds TREAD and Muon.
+JIT_DDT = ("jit", "bottleneck", "ddt", "repa")
 METHODS = {
     "latent": ("latent",),  # baseline A: Linum's comparison, a latent DiT over an autoencoder
     "pixel": ("smallpatch",),  # baseline B: JiT's comparison, pixel v-prediction at 48 values per token

@@ -22,7 +22,7 @@ PROTOCOL = Protocol(
     seeds=(0, 1, 2),
     baseline="latent",
     methods=("recipe",),
-    further=("pixel", "prx", "pixel_p8", "recipe-jit", "recipe-bottleneck", "recipe-ddt"),
+    further=("pixel", "prx", "pixel_p8", "recipe-jit", "recipe-bottleneck", "recipe-ddt", "recipe-repa"),
 )
 FROZEN = {
     "latent": {"lr": 2e-3, "cfg_scale": 3.0},

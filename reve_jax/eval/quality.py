@@ -1,17 +1,25 @@
-"""Every quality metric of a set of weights, on fixed held-out captions, noise and seeds.
+"""Every quality metric of a set of weights, on fixed held-out captions, noise and seeds, with bootstrap intervals
+and the controls that show what each number means.
 
-`evaluate(cfg, params, graphdef, n_images, seed)` samples one image per held-out caption (the last `n_images`
-indices of the dataset) with the sampler, step count and guidance of `cfg.sample`, from noise fixed by `seed`, and
+`Evaluator(cfg, graphdef, n_images, seed)` samples one image per held-out caption (the last `n_images` indices of
+the dataset) with the sampler, step count and guidance of `cfg.sample`, from noise fixed by `seed`. Calling it
 returns a flat dict of floats:
 
-- align_*: caption alignment (alignment.py), the primary metric; align_overall is the mean over attributes;
-- fd_shapes: Fréchet distance between generated and real held-out images in the feature net's space (features.py);
-- fd_dinov2: the same in DINOv2's space, when `dinov2_path` names a converted DINOv2 file;
-- vloss, vloss_t<t>: held-out v-loss at fixed t and noise (vloss.py);
-- eval_s: seconds the evaluation took.
+- align_<attribute> for background, count, position, color, shape, size, and align_overall (their mean, the
+  primary metric) and align_exact (every check of the caption right): caption alignment read from the pixels
+  (alignment.py);
+- kid: KID between the (caption, image) pairs generated and the real ones, in the feature net's space joined with
+  the caption's scene (kid.py); kid_image: the same on the images alone; kid_floor, kid_image_floor: the same
+  distances for a second real image per caption (the real-vs-real floor, what a perfect model scores on average);
+- every metric above with <name>_lo and <name>_hi: its 95% bootstrap interval over captions (bootstrap.py);
+- ctrl_<control>_align_overall, ctrl_<control>_align_exact, ctrl_<control>_kid for the controls real, shuffled,
+  background and one_object (controls.py), computed once: they must lie clearly below real images;
+- fd_shapes: Fréchet distance in the feature net's space (biased upwards at small n: prefer kid); fd_dinov2: the
+  same in DINOv2's space, when `dinov2_path` names a converted DINOv2 file;
+- vloss, vloss_t<t>: held-out v-loss at fixed t and noise (vloss.py); eval_s: seconds the evaluation took.
 
-Pass the EMA weights (`state["ema"]["ema0"]`) for benchmark numbers. `Evaluator` holds the compiled functions and
-the real images' statistics, for scoring many checkpoints of one model.
+Pass the EMA weights (`state["ema"]["ema0"]`) for benchmark numbers. The Evaluator holds the compiled functions,
+the real images' features and the controls' scores, for scoring many checkpoints of one model.
 """
 
 from __future__ import annotations
@@ -24,8 +32,13 @@ import jax
 import numpy as np
 
 from reve_jax import sampling
-from reve_jax.data import synthetic
-from reve_jax.eval import alignment, features, vloss
+from reve_jax.data import pipeline
+from reve_jax.eval import alignment, bootstrap, controls, features, kid, vloss
+
+
+def _uint8(images: np.ndarray) -> np.ndarray:
+    images = np.asarray(images)
+    return images if images.dtype == np.uint8 else np.rint((images + 1.0) * 127.5).clip(0, 255).astype(np.uint8)
 
 
 class Evaluator:
@@ -34,12 +47,16 @@ class Evaluator:
     Args:
       cfg: the run's config (its `sample` section fixes the sampler, steps and guidance; `data` the captions).
       graphdef: the model's graph (from `nnx.split`).
-      n_images: held-out captions (and real images for the Fréchet distances) to score on.
-      seed: seed of the sampling noise (the v-loss noise uses seed + 1).
-      feature_spec, cache_dir: the feature net (see features.get_feature_net); feature_spec=None skips fd_shapes.
+      n_images: held-out captions (and real images for the distances) to score on; 512 for final numbers.
+      seed: seed of the sampling noise (the v-loss noise uses seed + 1, the bootstrap and controls seed + 2).
+      feature_spec, cache_dir: the feature net (see features.get_feature_net); feature_spec=None skips the
+        distances (kid*, fd_shapes).
       dinov2_path: converted DINOv2 file for fd_dinov2 (None: skipped); dinov2_pool: "cls" or "mean".
       batch: images sampled per call (bounds memory).
       mesh: mesh to run the sampler under (the params' mesh), or None.
+      n_boot: bootstrap resamples of the captions (0: no intervals).
+      with_controls: score the control sets (once, at construction).
+      reader: the alignment reader's thresholds.
     """
 
     def __init__(
@@ -55,30 +72,58 @@ class Evaluator:
         dinov2_pool: str = "cls",
         batch: int = 256,
         mesh=None,
+        n_boot: int = 1000,
+        with_controls: bool = True,
+        reader: alignment.Reader = alignment.DEFAULT_READER,
     ):
         if cfg.data.name != "synthetic":
             raise ValueError("evaluation needs the procedural dataset (data.name='synthetic'): captions are read back")
-        self.cfg, self.seed, self.batch, self.mesh = cfg, seed, batch, mesh
+        if n_images < 2:
+            raise ValueError(f"n_images={n_images}: need at least 2 captions")
+        self.cfg, self.seed, self.batch, self.mesh, self.reader = cfg, seed, batch, mesh, reader
         self.heldout = vloss.heldout_batch(cfg, n_images)
-        ds = synthetic.SyntheticShapes(cfg.data.image_size, cfg.data.num_samples, cfg.data.seed, cfg.data.max_objects)
-        self.scenes = [ds.scene(int(i)) for i in self.heldout["index"]]
+        self.dataset = pipeline.dataset_from_config(cfg.data)
+        self.scenes = [self.dataset.scene(int(i)) for i in self.heldout["index"]]
         self.text = {k: self.heldout[k] for k in ("tokens", "text_emb", "text_mask") if k in self.heldout}
         self.noise = sampling.fixed_noise(cfg, n_images, seed)
         self.sample_fn = sampling.make_sampler(cfg, graphdef)
         self.vloss_fn = vloss.make_vloss_fn(cfg, graphdef)
-        real = self.heldout["image"]
-        self.feature_fn = self.real_stats = None
+        self.counts = bootstrap.counts(n_images, n_boot, seed + 2) if n_boot else None
+        real = _uint8(self.heldout["image"])
+        self.feature_fn = self.feature_info = None
         if feature_spec is not None:
-            net, _ = features.get_feature_net(feature_spec, cache_dir)
+            net, self.feature_info = features.get_feature_net(feature_spec, cache_dir)
             self.feature_fn = features.make_feature_fn(net)
-            self.real_stats = features.gaussian_stats(self.feature_fn(real))
+            feats = self.feature_fn(real)
+            self.codes = kid.scene_codes(self.scenes)
+            self.spaces = {"kid": kid.Space.fit(feats, self.codes), "kid_image": kid.Space.fit(feats)}
+            self.real_embedded = {k: self._embed(k, feats) for k in self.spaces}
+            self.real_stats = features.gaussian_stats(feats)
         self.dino_fn = self.dino_stats = None
         if dinov2_path:
             self.dino_fn = features.make_dinov2_fn(dinov2_path, dinov2_pool)
             self.dino_stats = features.gaussian_stats(self.dino_fn(real))
+        self.fixed_metrics: dict[str, float] = {}
+        if with_controls or feature_spec is not None:
+            sets = controls.control_images(self.dataset, self.heldout["index"], seed + 2)
+            if feature_spec is not None:  # the floors: a second real image per caption, with intervals
+                floor = self.image_metrics(sets["real"], alignment_too=False)
+                for space in self.spaces:
+                    for suffix in ("", "_lo", "_hi"):
+                        if space + suffix in floor:
+                            self.fixed_metrics[f"{space}_floor{suffix}"] = floor[space + suffix]
+            if with_controls:
+                for name in controls.NAMES:
+                    m = self.image_metrics(sets[name], intervals=False)
+                    for key in ("align_overall", "align_exact", "kid"):
+                        if key in m:
+                            self.fixed_metrics[f"ctrl_{name}_{key}"] = m[key]
 
     def _ctx(self):
         return jax.set_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def _embed(self, space: str, feats: np.ndarray) -> np.ndarray:
+        return self.spaces[space].embed(feats, self.codes if space == "kid" else None)
 
     def generate(self, params) -> np.ndarray:
         """Images for the held-out captions: f32 [n_images, S, S, 3] in [-1, 1]."""
@@ -92,25 +137,49 @@ class Evaluator:
                 )
         return np.concatenate(out)
 
+    def checks(self, images: np.ndarray) -> dict[str, np.ndarray]:
+        """Per-image caption checks of images for the held-out captions (alignment.check_batch)."""
+        return alignment.check_batch(alignment.read_batch(images, self.reader), self.scenes)
+
+    def image_metrics(self, images: np.ndarray, intervals: bool = True, alignment_too: bool = True) -> dict:
+        """The metrics of images [n_images, S, S, 3] (uint8 or [-1, 1]) for the held-out captions that need no
+        weights: alignment, KID (both spaces), FD, with bootstrap intervals when `intervals` and n_boot > 0."""
+        images = np.asarray(images)
+        if len(images) != len(self.scenes):
+            raise ValueError(f"{len(images)} images for {len(self.scenes)} held-out captions")
+        out: dict[str, float] = {}
+        samples: dict[str, np.ndarray] = {}
+        w = self.counts if intervals and self.counts is not None else None
+        if alignment_too:
+            checks = self.checks(images)
+            out.update(alignment.summarize(checks))
+            if w is not None:
+                samples.update(bootstrap.alignment_samples(checks, w))
+        if self.feature_fn is not None:
+            feats = self.feature_fn(_uint8(images))
+            for space in self.spaces:
+                x = self._embed(space, feats)
+                out[space] = kid.kid(x, self.real_embedded[space])
+                if w is not None:
+                    samples[space] = kid.kid_resampled(x, self.real_embedded[space], w)
+            out["fd_shapes"] = features.frechet_distance(*features.gaussian_stats(feats), *self.real_stats)
+        if self.dino_fn is not None:
+            dino = features.gaussian_stats(self.dino_fn(images))
+            out["fd_dinov2"] = features.frechet_distance(*dino, *self.dino_stats)
+        return bootstrap.with_intervals(out, samples)
+
     def __call__(self, params, images: np.ndarray | None = None) -> dict[str, float]:
         """All metrics of `params` (or of given `images` [n_images,S,S,3] in [-1, 1], for the image metrics)."""
         t0 = time.perf_counter()
         images = self.generate(params) if images is None else images
-        out = alignment.score(images, self.scenes)
-        if self.feature_fn is not None:
-            out["fd_shapes"] = features.frechet_distance(
-                *features.gaussian_stats(self.feature_fn(images)), *self.real_stats
-            )
-        if self.dino_fn is not None:
-            out["fd_dinov2"] = features.frechet_distance(
-                *features.gaussian_stats(self.dino_fn(images)), *self.dino_stats
-            )
+        out = self.image_metrics(images)
         with self._ctx():
             out.update(
                 vloss.heldout_vloss(
                     self.cfg, params, None, len(self.noise), self.seed + 1, fn=self.vloss_fn, batch=self.heldout
                 )
             )
+        out.update(self.fixed_metrics)
         out["eval_s"] = time.perf_counter() - t0
         return out
 

@@ -1,0 +1,42 @@
+"""Score a run's EMA weights: caption alignment per attribute with 95% bootstrap intervals, KID with its
+real-vs-real floor, the controls, held-out v-loss; writes a JSON and a PNG grid with each caption's checks marked
+(reve_jax/eval/scoring.py, docs/evaluation.md).
+
+python scripts/evaluate.py --workdir runs/tiny [--step N] [--n 512]
+"""
+
+import argparse
+
+from reve_jax import cli
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", required=True, help="a run directory with checkpoints/")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    parser.add_argument("--n", type=int, default=512, help="held-out captions to score (512 for final numbers)")
+    parser.add_argument("--seed", type=int, default=4321, help="sampling noise seed")
+    parser.add_argument("--out", default=None, help="output directory (default <workdir>/evaluation)")
+    parser.add_argument("--boot", type=int, default=1000, help="bootstrap resamples for the intervals")
+    parser.add_argument("--cache-dir", default=None, help="feature net cache (default ~/.cache/reve_jax)")
+    parser.add_argument("--dinov2", default=None, help="converted DINOv2 weights for fd_dinov2 (optional)")
+    args = parser.parse_args(argv)
+    cli.setup_logging()
+    from reve_jax.eval import scoring
+
+    _, json_path, png_path = scoring.score_checkpoint(
+        args.workdir,
+        args.step,
+        args.n,
+        args.seed,
+        args.out,
+        n_boot=args.boot,
+        cache_dir=args.cache_dir,
+        dinov2_path=args.dinov2,
+    )
+    print(json_path)
+    print(png_path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""KID (eval/kid.py) and the feature net (eval/features.py): the estimator against a direct computation and on
+distributions with known answers, then in the checked-in feature space, where two real sets must sit at the
+floor and shuffled captions, wrong cells and one-shape-for-all far above it; and the net's per-object accuracy."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from reve_jax.eval import bootstrap, controls, features, figures, kid
+
+
+def _direct_kid(x, y, paired):
+    """The unbiased MMD^2 by explicit loops over pairs of distinct samples."""
+    k = lambda a, b: (a @ b / len(a) + 1.0) ** 3  # noqa: E731
+    n, m = len(x), len(y)
+    kxx = np.mean([k(x[i], x[j]) for i, j in itertools.permutations(range(n), 2)])
+    kyy = np.mean([k(y[i], y[j]) for i, j in itertools.permutations(range(m), 2)])
+    pairs = [(i, j) for i in range(n) for j in range(m) if not (paired and i == j)]
+    kxy = np.mean([k(x[i], y[j]) for i, j in pairs])
+    return kxx + kyy - 2 * kxy
+
+
+def test_kid_matches_a_direct_computation_and_resamples_leave_out_duplicates():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(9, 4)), rng.normal(size=(9, 4)) + 0.3
+    assert kid.kid(x, y) == pytest.approx(_direct_kid(x, y, True), rel=1e-10)
+    assert kid.kid(x, y[:7], paired=False) == pytest.approx(_direct_kid(x, y[:7], False), rel=1e-10)
+    # A resample with duplicates equals the estimate on the distinct samples drawn, pairs of equal draws left out.
+    draw = np.array([0, 0, 3, 5, 5, 5, 8, 2, 2])
+    w = np.bincount(draw, minlength=9)[None].astype(float)
+    xs, ys = x[draw], y[draw]
+    k = lambda a, b: (a @ b / len(a) + 1.0) ** 3  # noqa: E731
+    keep = [(i, j) for i in range(9) for j in range(9) if draw[i] != draw[j]]
+    direct = sum(k(xs[i], xs[j]) + k(ys[i], ys[j]) - 2 * k(xs[i], ys[j]) for i, j in keep) / len(keep)
+    assert kid.kid_resampled(x, y, w)[0] == pytest.approx(direct, rel=1e-10)
+
+
+def test_kid_is_unbiased_and_grows_with_the_shift():
+    rng = np.random.default_rng(1)
+    same = [kid.kid(rng.normal(size=(40, 8)), rng.normal(size=(40, 8))) for _ in range(200)]
+    assert abs(np.mean(same)) < 3 * np.std(same) / np.sqrt(len(same))  # zero on average, not positive
+    shifted = [np.mean([kid.kid(rng.normal(size=(40, 8)), rng.normal(size=(40, 8)) + d) for _ in range(20)])
+               for d in (0.25, 0.5, 1.0)]  # fmt: skip
+    assert 0 < shifted[0] < shifted[1] < shifted[2]
+
+
+def test_bootstrap_counts_and_interval():
+    w = bootstrap.counts(50, 30, seed=0)
+    assert w.shape == (30, 50) and (w.sum(1) == 50).all()
+    np.testing.assert_array_equal(w, bootstrap.counts(50, 30, seed=0))
+    assert bootstrap.interval(np.arange(1001.0)) == (25.0, 975.0)
+
+
+# ------------------------------------------------------------------------------------------ the feature space
+
+
+@pytest.fixture(scope="module")
+def net():
+    """The checked-in feature net of the default spec (loaded, never trained here)."""
+    path = features.WEIGHTS_DIR / f"feature_net_{features.DEFAULT_SPEC.key()}.npz"
+    assert path.exists(), f"{path} is missing: rebuild it with `python -m reve_jax.eval.build_features`"
+    return features.load_feature_net(features.DEFAULT_SPEC, path)
+
+
+def test_feature_net_reads_every_object(net):
+    model, info = net
+    spec = features.DEFAULT_SPEC
+    images, scenes = features.render_set(spec, spec.n_train + spec.n_test, 512)  # past its own held-out set
+    acc = features.per_object_accuracy(model, images, scenes)
+    for attr in ("position", "color", "shape", "size"):
+        assert acc[attr] >= 0.95, acc
+    assert acc["empty"] >= 0.97 and acc["background"] >= 0.99, acc
+    for attr in ("position", "color", "shape", "size"):
+        assert info["test_accuracy"][attr] >= 0.95, info["test_accuracy"]
+
+
+@pytest.mark.parametrize("size, max_objects", [(32, 1), (32, 3), (128, 3)])
+def test_kid_floor_and_what_lies_far_above_it(net, size, max_objects):
+    """Two real sets score the floor (about 0): another draw for the same captions, and real images of other
+    captions under their own captions. Real images under the wrong captions, images with every object in a wrong
+    cell, every shape drawn as a circle, and backgrounds alone score far above it."""
+    model, _ = net
+    fn = features.make_feature_fn(model)
+    n = 128
+    ds, index, real, scenes = figures.heldout(size, n, max_objects)
+    codes = kid.scene_codes(scenes)
+    f_real = fn(real)
+    space = kid.Space.fit(f_real, codes)
+    ref = space.embed(f_real, codes)
+
+    def score(images, captions=codes):
+        return kid.kid(space.embed(fn(images), captions), ref)
+
+    rng = np.random.default_rng(0)
+    sets = controls.control_images(ds, index, seed=0)
+    wrong = np.stack([ds.draw(figures.wrong_cells(s, rng), (0, int(i), 7)) for s, i in zip(scenes, index, strict=True)])
+    circles = np.stack([ds.draw(figures.all_circles(s), (0, int(i), 8)) for s, i in zip(scenes, index, strict=True)])
+    other_codes = kid.scene_codes([ds.scene(int(i)) for i in index - n])  # the shuffled set's own captions
+    got = {
+        "floor": score(sets["real"]),
+        "disjoint": score(sets["shuffled"], other_codes),
+        "shuffled": score(sets["shuffled"]),
+        "wrong_cell": score(wrong),
+        "circles": score(circles),
+        "background": score(sets["background"]),
+    }
+    spread = np.std(kid.kid_resampled(space.embed(fn(sets["real"]), codes), ref, bootstrap.counts(n, 200, 0)))
+    assert abs(got["floor"]) < 3 * spread and abs(got["disjoint"]) < 3 * spread, (got, spread)
+    for name in ("shuffled", "wrong_cell", "circles", "background"):
+        assert got[name] > 10 * spread and got[name] > 5 * abs(got["floor"]), (name, got, spread)

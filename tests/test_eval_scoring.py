@@ -1,0 +1,43 @@
+"""scripts/evaluate.py on a run trained a few steps by scripts/train.py: the JSON holds every metric with its
+interval, the floor and the controls, and per caption its checks; the PNG marks each caption's checks."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+from util import TINY, load_script
+
+from reve_jax.eval import alignment, controls
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_evaluate_scores_a_trained_run(tmp_path):
+    workdir = tmp_path / "run"
+    train = ["--config", str(REPO / "configs" / "tiny.py"), "--workdir", str(workdir)]
+    load_script("train").main([*train, *(f"--config.{o}" for o in TINY), "--config.train.steps=2"])
+    load_script("evaluate").main(["--workdir", str(workdir), "--n", "16", "--boot", "50"])
+    result = json.loads((workdir / "evaluation" / "step_2.json").read_text())
+    assert (result["step"], result["n"], len(result["captions"])) == (2, 16, 16)
+    m = result["metrics"]
+    for name in (*(f"align_{a}" for a in (*alignment.ATTRIBUTES, "overall", "exact")), "kid", "kid_image"):
+        assert m[f"{name}_lo"] <= m[name] <= m[name + "_hi"], name
+    assert {"kid_floor", "kid_floor_lo", "kid_floor_hi", "vloss", "fd_shapes"} <= set(m)
+    for name in controls.NAMES:
+        assert f"ctrl_{name}_align_overall" in m and f"ctrl_{name}_kid" in m
+    assert m["ctrl_real_align_overall"] >= 0.99 > m["ctrl_shuffled_align_overall"]
+    # Per caption, the checks behind the scores: they add up to them.
+    rows = result["captions"]
+    assert rows[0]["caption"].endswith("background") and set(rows[0]["checks"]) == set(alignment.ATTRIBUTES)
+    for a in alignment.ATTRIBUTES:
+        passed, total = np.sum([r["checks"][a] for r in rows], axis=0)
+        assert m[f"align_{a}"] == passed / total
+    assert result["feature_net"]["test_accuracy"]["shape"] >= 0.95
+    png = Image.open(workdir / "evaluation" / "step_2.png")
+    assert png.size[0] > 4 * 128 and png.size[1] > 4 * 128  # a 4 x 4 grid of 16 images, 128 px cells at least
+    # An explicit step and output directory.
+    load_script("evaluate").main(["--workdir", str(workdir), "--step", "2", "--n", "8", "--boot", "0",
+                                  "--out", str(tmp_path / "elsewhere")])  # fmt: skip
+    again = json.loads((tmp_path / "elsewhere" / "step_2.json").read_text())
+    assert again["n"] == 8 and "align_overall_lo" not in again["metrics"]
