@@ -108,3 +108,49 @@ def test_missing_weights_are_clear_errors(weight_files, tmp_path):
     cfg = _cfg(weight_files, "loss.repa_dim=768")
     with pytest.raises(ValueError, match="loss.repa_dim=16"):
         objective.load_frozen(cfg, sharding.make_mesh(cfg.mesh))
+
+
+@pytest.fixture
+def random_feature_net(monkeypatch):
+    """The project's feature network as REPA's target, at random weights (the wiring is under test, not the
+    weights): objective.load_frozen gets it instead of the checked-in one."""
+    from reve_jax.eval import features
+
+    net = features.FeatureNet(features.DEFAULT_SPEC, nnx.Rngs(3))
+    monkeypatch.setattr(features, "get_feature_net", lambda spec=features.DEFAULT_SPEC, cache_dir=None: (net, {}))
+    return net
+
+
+@pytest.mark.parametrize("hw, patch", [((24, 24), 8), ((16, 24), 4)])
+def test_repa_to_the_feature_network_follows_the_batch_image_shape(random_feature_net, hw, patch):
+    """loss.repa_target='features': 1 - cos against the feature net's per-cell embeddings (its 3 x 3 grid) of the
+    clean image, resampled onto the batch's token grid; at a 3 x 3 token grid they are the embeddings themselves."""
+    from reve_jax.eval import features
+
+    cfg = tiny_config("loss.repa_weight=0.5", "loss.repa_target='features'", "loss.repa_dim=48",
+                      "loss.repa_hidden=32", "model.repa_block=0", f"model.patch={patch}")  # fmt: skip
+    frozen = objective.load_frozen(cfg, sharding.make_mesh(cfg.mesh))
+    heads = objective.build_heads(cfg)
+    rng = np.random.default_rng(2)
+    h, w = hw
+    grid = (h // patch, w // patch)
+    n = grid[0] * grid[1]
+    x = rng.uniform(-1, 1, (2, h, w, 3)).astype(np.float32)
+    tokens = rng.standard_normal((2, n, cfg.model.width)).astype(np.float32)
+    aux = {"repa": tokens, "repa_idx": np.tile(np.arange(n), (2, 1))}
+    got = float(_terms(cfg, frozen, x, x, np.ones(2, np.float32), aux, heads)["loss_repa"])
+    cells, _ = random_feature_net.embed(features.to_net_input(x))  # [2, 9, 48]
+    cells = np.asarray(cells, np.float64).reshape(2, 3, 3, 48)
+    if grid == (3, 3):
+        target = cells
+    else:
+        target = np.asarray(jax.image.resize(cells, (2, *grid, 48), "linear", antialias=False))
+    proj = np.asarray(heads.repa(tokens), np.float64).reshape(2, n, 48)
+    target = target.reshape(2, n, 48)
+    cos = (proj * target).sum(-1) / (np.linalg.norm(proj, axis=-1) * np.linalg.norm(target, axis=-1))
+    np.testing.assert_allclose(got, 0.5 * np.mean(1 - cos), rtol=1e-4)
+
+
+def test_repa_to_dinov2_without_weights_is_a_clear_error():
+    with pytest.raises(ConfigError, match="repa_target='features'"):
+        tiny_config("loss.repa_weight=0.5", "model.repa_block=0")
