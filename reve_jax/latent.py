@@ -52,8 +52,9 @@ def load(cfg) -> autoencoder.Autoencoder:
 
 # ---------------------------------------------------------------------------------------------------- Training
 def _data_key(cfg) -> dict:
-    """What decides the autoencoder: the data it sees and its own settings (not the diffusion model's)."""
-    keys = ("name", "path", "image_size", "seed", "num_samples", "max_objects", "min_objects", "render", "shapes")
+    """What decides the autoencoder: the data it sees and its own settings (not the diffusion model's, nor the run's
+    seeds: see `train`)."""
+    keys = ("name", "path", "image_size", "num_samples", "max_objects", "min_objects", "render", "shapes")
     data = {k: cfg.data[k] for k in keys if k in cfg.data}
     data = {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
     return {"data": data, "latent": {k: v for k, v in cfg.latent.to_dict().items() if k != "path"}}
@@ -69,10 +70,19 @@ def _batches(cfg, batch: int, start: int):
         yield np.asarray(diffusion.to_unit(b["image"]))
 
 
+TRAIN_SEED = 0
+
+
 def train(cfg, log_every: int = 500) -> tuple[autoencoder.Autoencoder, dict]:
     """Train the autoencoder of `cfg.latent` on `cfg.data` (latent.train_steps steps of latent.train_batch images,
-    AdamW with a cosine decay), then measure the latents' per-channel shift and scale. Returns (model, info)."""
+    AdamW with a cosine decay), then measure the latents' per-channel shift and scale. Returns (model, info).
+
+    The autoencoder belongs to the dataset, not to a run: it is initialised and fed with TRAIN_SEED whatever the
+    run's `seed` and `data.seed`, so every seed of a benchmark shares one (as Linum's runs share one VAE)."""
     lt = cfg.latent
+    cfg = cfg.copy_and_resolve_references()
+    with cfg.unlocked():
+        cfg.seed = cfg.data.seed = TRAIN_SEED
     model = autoencoder.Autoencoder(ae_config(cfg), rngs=nnx.Rngs(cfg.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     sched = optax.cosine_decay_schedule(lt.train_lr, lt.train_steps, alpha=0.05)

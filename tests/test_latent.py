@@ -80,3 +80,18 @@ def test_latent_settings_are_checked(ae_file):
     cfg = tiny_config("latent.channels=8", "latent.downsample=2", f"latent.path='{path}'", "model.patch=2")
     with pytest.raises(ValueError, match="latent.channels=8"):
         latent.load(cfg)
+
+
+def test_one_autoencoder_per_dataset_whatever_the_runs_seeds():
+    """The cache key and the training ignore the run's seeds (the benchmark's seeds share one autoencoder), and
+    follow what the autoencoder sees: the data's content and its own settings."""
+    a = tiny_config(*AE, "seed=1", "data.seed=1")
+    b = tiny_config(*AE, "seed=2", "data.seed=5")
+    assert latent.cache_key(a) == latent.cache_key(b)
+    assert latent.cache_key(a) != latent.cache_key(tiny_config(*AE, "data.max_objects=2"))
+    assert latent.cache_key(a) != latent.cache_key(tiny_config(*AE, "latent.channels=8"))
+    short = ("latent.train_steps=3", "latent.train_batch=4")
+    ma, _ = latent.train(tiny_config(*AE, *short, "seed=1", "data.seed=1"), log_every=0)
+    mb, _ = latent.train(tiny_config(*AE, *short, "seed=2", "data.seed=5"), log_every=0)
+    for x, y in zip(jax.tree.leaves(nnx.state(ma)), jax.tree.leaves(nnx.state(mb)), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
