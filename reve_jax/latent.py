@@ -148,7 +148,7 @@ def reconstruct(model: autoencoder.Autoencoder, images: np.ndarray, batch: int =
 
 def check_reconstructions(cfg, model: autoencoder.Autoencoder, n: int = 256) -> dict:
     """Caption alignment (eval/alignment.py) of the autoencoder's reconstructions of `n` held-out images, beside
-    the real images' own score, and the reconstruction PSNR."""
+    the real images' own score, per attribute (`recon_<attribute>`), and the reconstruction PSNR."""
     from reve_jax.eval import alignment, vloss
 
     ds = pipeline.dataset_from_config(cfg.data)
@@ -157,9 +157,11 @@ def check_reconstructions(cfg, model: autoencoder.Autoencoder, n: int = 256) -> 
     scenes = [ds.scene(int(i)) for i in idx]
     recon = reconstruct(model, real)
     mse = float(np.mean((recon - real) ** 2))
+    scores = alignment.score(recon, scenes)
     return {
         "align_real": alignment.score(real, scenes)["align_overall"],
-        "align_recon": alignment.score(recon, scenes)["align_overall"],
+        "align_recon": scores["align_overall"],
+        **{f"recon_{a}": scores[f"align_{a}"] for a in alignment.ATTRIBUTES},
         "psnr": float(10 * np.log10(4.0 / max(mse, 1e-12))),
         "n": n,
     }
