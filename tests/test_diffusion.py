@@ -127,3 +127,23 @@ def test_ema_matches_float64():
 def test_unknown_sampler_is_an_error():
     with pytest.raises(ValueError, match="sample.sampler"):
         diffusion.sample(lambda z, t: z, jnp.zeros((1, 2)), 2, "rk4")
+
+
+def test_ema_warmup_forgets_the_initial_weights():
+    """With warm-up power 0 the EMA of the first n iterates is their plain mean (Polyak averaging), checked in
+    float64; with power 7 the first update has decay 0 (the initial weights are gone) and the first iterate's share
+    after n updates is (1/n)^8; the fixed decay caps the decays; a negative power is the fixed decay from the first
+    update (0.998^200 = 67% initial weights at step 200)."""
+    rng = np.random.default_rng(1)
+    iterates = rng.standard_normal((30, 4))
+    ema = {"w": jnp.zeros(4, jnp.float32)}  # the initial weights: forgotten by the first update
+    for n, p in enumerate(iterates, start=1):
+        ema = diffusion.ema_update(
+            ema, {"w": jnp.asarray(p, jnp.float32)}, diffusion.ema_decay(0.9999, jnp.asarray(n), 0.0)
+        )
+    np.testing.assert_allclose(ema["w"], iterates.mean(0), rtol=1e-5, atol=1e-6)
+    decays = np.array([float(diffusion.ema_decay(0.998, jnp.asarray(n), 7.0)) for n in range(1, 201)])
+    np.testing.assert_allclose(np.prod(decays[1:20]), (1 / 20) ** 8, rtol=1e-4)
+    assert decays[0] == 0.0 and np.all(np.diff(decays) >= 0) and decays.max() <= 0.998
+    fixed = np.array([float(diffusion.ema_decay(0.998, jnp.asarray(n), -1.0)) for n in range(1, 201)])
+    np.testing.assert_allclose(np.prod(fixed), 0.998**200, rtol=1e-5)
