@@ -33,7 +33,7 @@ def restore_ema(workdir: str | Path, step: int | None = None):
             raise checkpoint.CheckpointError(f"no checkpoint of step {step} in {workdir}; there are {steps}")
         cfg = config.from_json(ckpt.restore_meta(step if step is not None else steps[-1])["config"])
         mesh = sharding.make_mesh(cfg.mesh)
-        setup = train_state.make_setup(cfg, mesh)
+        setup = train_state.make_setup(cfg, mesh, frozen=False)  # sampling needs no loss networks
         if step is None:
             state, meta = ckpt.restore_latest(setup.abstract_state)
         else:

@@ -312,22 +312,15 @@ def sweep(size: Protocol, out_dir, methods, *, extra=(), cache_dir=None, evaluat
 def guidance_scores(workdir: Path, size: Protocol) -> dict[str, float]:
     """Caption alignment of a finished run's final EMA weights at each of the size's guidance scales (n_eval
     captions, the evaluation seed)."""
-    from reve_jax import checkpoint, sharding, train_state
-    from reve_jax.eval import quality
+    from reve_jax.eval import quality, scoring
 
-    ckpt = checkpoint.Checkpointer(workdir)
-    try:
-        cfg = config_lib.from_json(ckpt.restore_meta(ckpt.steps()[-1])["config"])
-        setup = train_state.make_setup(cfg, sharding.make_mesh(cfg.mesh), frozen=False)
-        state, _ = ckpt.restore_latest(setup.abstract_state)
-    finally:
-        ckpt.close()
+    cfg, graphdef, ema, _, mesh = scoring.restore_ema(workdir)
     out = {}
     for scale in size.cfg_scales:
         c = config_lib.from_json(config_lib.to_json(cfg))
         config_lib.apply_override(c, f"sample.cfg_scale={scale!r}")
-        ev = quality.Evaluator(c, setup.graphdef, size.n_eval, size.eval_seed, feature_spec=None, mesh=setup.mesh)
-        out[f"{scale:g}"] = ev(state["ema"]["ema0"])[PRIMARY]
+        ev = quality.Evaluator(c, graphdef, size.n_eval, size.eval_seed, feature_spec=None, mesh=mesh)
+        out[f"{scale:g}"] = ev(ema)[PRIMARY]
     return out
 
 
