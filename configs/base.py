@@ -37,6 +37,7 @@ def get_config() -> ml_collections.ConfigDict:
     m.bottleneck = 64  # bottleneck patch embedding rank r (p*p*3 -> r -> width); 0 = plain linear embedding
     m.qk_norm = True  # RMSNorm on queries and keys
     m.rope_theta = 100.0  # base of the 2D rotary embedding over the patch grid
+    m.pos_embed = "none"  # none | sincos (a fixed 2D sine-cosine embedding added to the image tokens, as JiT)
     m.norm_eps = 1e-6
     m.dtype = "bfloat16"  # compute dtype; params stay in param_dtype
     m.param_dtype = "float32"

@@ -19,6 +19,7 @@ import ml_collections
 
 CHOICES = {
     "model.arch": ("dit", "ddt"),
+    "model.pos_embed": ("none", "sincos"),
     "model.attention": ("auto", "xla", "cudnn"),
     "model.remat": ("none", "block", "dots"),
     "model.dtype": ("float32", "bfloat16", "float16"),

@@ -124,7 +124,7 @@ def test_a_benchmark_run_is_a_resumable_trainer_run(tmp_path):
     size = dataclasses.replace(_size("cpu"), steps=6, evals=3)
     tiny = ("model.width=32", "model.depth=3", "model.heads=2", "text.width=32", "data.image_size=16", "model.patch=4",
             "train.global_batch=8", "data.worker_threads=0", "sample.steps=2")  # fmt: skip
-    cfg = speedup.build_config(size, "recipe", 0, tiny)
+    cfg = speedup.build_config(size, "pixel", 0, tiny)
     kwargs = {"feature_spec": None}
     t0 = time.perf_counter()
     straight = speedup.train_run(cfg, tmp_path / "straight", 2, 8, 4321, kwargs, n_final=12)

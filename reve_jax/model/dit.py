@@ -21,6 +21,7 @@ from reve_jax.model.layers import (
     TimeEmbed,
     dense,
     grid_positions,
+    sincos_position_embedding,
     rope_angles,
     swiglu_hidden,
     unpatchify,
@@ -124,6 +125,7 @@ class DiT(nnx.Module):
         self.out_patch = out_patch or self.patch
         self.head_dim = width // heads
         self.rope_theta = m.rope_theta
+        self.pos_embed = m.pos_embed
         self.remat = m.remat
         self.scan_layers = m.scan_layers
         self.repa_block = m.repa_block if routing_allowed else -1
@@ -180,7 +182,10 @@ class DiT(nnx.Module):
             # Plan tokens ride with the text: never routed, always attended, with their own 2D positions.
             txt = jnp.concatenate([extra[0].astype(txt.dtype), txt], axis=1)
             lengths = lengths + extra[0].shape[1]
-        pos = jnp.broadcast_to(grid_positions(h, w, self.patch)[None], (b, n, 2))
+        grid = grid_positions(h, w, self.patch)
+        if self.pos_embed == "sincos":  # absolute positions beside RoPE's relative ones (JiT)
+            x = x + sincos_position_embedding(grid, x.shape[-1]).astype(x.dtype)[None]
+        pos = jnp.broadcast_to(grid[None], (b, n, 2))
         ctx_angles = jnp.zeros((b, txt.shape[1], self.head_dim // 2), jnp.float32)
         if extra is not None:
             plan_angles = rope_angles(extra[1], self.head_dim, self.rope_theta)

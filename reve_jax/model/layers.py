@@ -230,6 +230,20 @@ def unpatchify(tokens: jax.Array, patch: int, height: int, width: int) -> jax.Ar
     return x.transpose(0, 1, 3, 2, 4, 5).reshape(b, height, width, c)
 
 
+def sincos_position_embedding(positions: jax.Array, width: int, theta: float = 10_000.0) -> jax.Array:
+    """Fixed 2D sine-cosine embedding [N, width] of (row, col) positions [N, 2] (MAE/DiT/JiT): the first half of
+    the channels encodes the row, the second the column, each as sin then cos over width/4 frequencies."""
+    if width % 4:
+        raise ValueError(f"the 2D sine-cosine position embedding needs width divisible by 4, got {width}")
+    quarter = width // 4
+    omega = 1.0 / (theta ** (jnp.arange(quarter, dtype=jnp.float32) / quarter))
+    parts = []
+    for axis in (0, 1):
+        angle = positions[:, axis : axis + 1].astype(jnp.float32) * omega
+        parts += [jnp.sin(angle), jnp.cos(angle)]
+    return jnp.concatenate(parts, axis=-1)
+
+
 def grid_positions(height: int, width: int, patch: int) -> jax.Array:
     """(row, col) of every patch, [N, 2] int32, row-major like `patchify`."""
     rows, cols = jnp.meshgrid(jnp.arange(height // patch), jnp.arange(width // patch), indexing="ij")
