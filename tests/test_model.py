@@ -132,9 +132,7 @@ def test_sincos_position_embedding_against_float64():
     columns in the second, sin then cos over width/4 frequencies 10000^(-k/(width/4))."""
     width, grid = 32, np.array([(r, c) for r in range(3) for c in range(5)])
     omega = 1.0 / 10_000.0 ** (np.arange(width // 4, dtype=np.float64) / (width // 4))
-    ref = np.concatenate(
-        [f(grid[:, a : a + 1] * omega) for a in (0, 1) for f in (np.sin, np.cos)], axis=1
-    )
+    ref = np.concatenate([f(grid[:, a : a + 1] * omega) for a in (0, 1) for f in (np.sin, np.cos)], axis=1)
     np.testing.assert_allclose(sincos_position_embedding(jnp.asarray(grid), width), ref, atol=2e-6)
     with pytest.raises(ValueError, match="divisible by 4"):
         sincos_position_embedding(jnp.asarray(grid), 30)
@@ -142,9 +140,9 @@ def test_sincos_position_embedding_against_float64():
 
 def test_absolute_positions_break_translation_symmetry():
     """RoPE alone sees only relative offsets among image tokens; with model.pos_embed='sincos' a token's output
-    depends on where it sits. On a constant input (every image token the same) only the (empty) caption's tokens, which sit
-    at RoPE position (0, 0), tell tokens apart without the embedding: the interior tokens' outputs spread 0.013
-    then, 0.23 with it (measured); the test asks for 5x."""
+    depends on where it sits. On a constant input (every image token the same) only the (empty) caption's tokens,
+    which sit at RoPE position (0, 0), tell tokens apart without the embedding: the interior tokens' outputs spread
+    0.013 then, 0.23 with it (measured); the test asks for 5x."""
     spread = {}
     for pos_embed in ("none", "sincos"):
         cfg = tiny_config()

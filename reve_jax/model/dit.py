@@ -21,8 +21,8 @@ from reve_jax.model.layers import (
     TimeEmbed,
     dense,
     grid_positions,
-    sincos_position_embedding,
     rope_angles,
+    sincos_position_embedding,
     swiglu_hidden,
     unpatchify,
 )
