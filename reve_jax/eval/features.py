@@ -69,7 +69,7 @@ class FeatureSpec:
     sizes: tuple[int, ...] = (32, 16, 24, 64)
     size_weights: tuple[float, ...] = (0.55, 0.15, 0.15, 0.15)
     data_seed: int = 7919  # not the benchmark's data seed: the feature net never sees the evaluation images
-    steps: int = 8000
+    steps: int = 4000
     batch: int = 64
     lr: float = 3e-3
     noise: float = 30.0
