@@ -16,6 +16,7 @@ def get_config():
     c.model.patch = 16
     c.model.bottleneck = 128
     c.model.rope_theta = 10_000.0
+    c.model.pos_embed = "sincos"  # JiT adds a fixed sine-cosine embedding besides RoPE
     c.data.image_size = 256
     c.text.max_len = 32
     c.diffusion.t_mean = -0.8

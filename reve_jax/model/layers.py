@@ -231,8 +231,9 @@ def unpatchify(tokens: jax.Array, patch: int, height: int, width: int) -> jax.Ar
 
 
 def sincos_position_embedding(positions: jax.Array, width: int, theta: float = 10_000.0) -> jax.Array:
-    """Fixed 2D sine-cosine embedding [N, width] of (row, col) positions [N, 2] (MAE/DiT/JiT): the first half of
-    the channels encodes the row, the second the column, each as sin then cos over width/4 frequencies."""
+    """Fixed 2D sine-cosine embedding [N, width] of (row, col) positions [N, 2], MAE's formula (used by DiT and
+    JiT): the first half of the channels encodes the row, the second the column (MAE has them the other way round),
+    each as sin then cos over width/4 frequencies."""
     if width % 4:
         raise ValueError(f"the 2D sine-cosine position embedding needs width divisible by 4, got {width}")
     quarter = width // 4
