@@ -33,7 +33,7 @@ def test_evaluate_scores_a_trained_run(tmp_path):
     for a in alignment.ATTRIBUTES:
         passed, total = np.sum([r["checks"][a] for r in rows], axis=0)
         assert m[f"align_{a}"] == passed / total
-    assert result["feature_net"]["test_accuracy"]["shape"] >= 0.93  # the checked-in net's held-out shape: 0.945
+    assert result["feature_net"]["test_accuracy"]["shape"] >= 0.95  # the checked-in net's held-out shape: 0.971
     png = Image.open(workdir / "evaluation" / "step_2.png")
     assert png.size[0] > 4 * 128 and png.size[1] > 4 * 128  # a 4 x 4 grid of 16 images, 128 px cells at least
     # An explicit step and output directory.

@@ -3,7 +3,7 @@
     python -m reve_jax.eval.build_features [--out reve_jax/eval/weights]
 
 Deterministic for the spec on one platform (XLA's CPU and GPU kernels round differently, so a rebuild elsewhere
-gives weights that differ in the last bits, and features that differ slightly). Most of an hour on 2 CPU cores;
+gives weights that differ in the last bits, and features that differ slightly). Over an hour on 2 CPU cores;
 the weights are stored as float16 (about 0.5 MB), which changes features by about 1e-3 of their scale.
 """
 

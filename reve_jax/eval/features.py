@@ -10,7 +10,7 @@ position, color, shape and size.
 
 The weights are deterministic from the `FeatureSpec` (seed included) on one platform. The default spec's are
 checked in under reve_jax/eval/weights/ (as float16, about 0.3 MB; a rebuild, `python -m
-reve_jax.eval.build_features`, takes most of an hour on 2 CPU cores); any other spec is trained and cached in
+reve_jax.eval.build_features`, takes over an hour on 2 CPU cores); any other spec is trained and cached in
 <cache_dir>/feature_net_<key>.npz. Images of any size are brought to 32 px first (average-pooled when the size is
 a multiple of 32, resized otherwise): one feature space serves every benchmark size. The distances on these
 features are KID (kid.py) and, kept for comparison, the Fréchet distance below.
@@ -69,7 +69,7 @@ class FeatureSpec:
     sizes: tuple[int, ...] = (32, 16, 24, 64)
     size_weights: tuple[float, ...] = (0.55, 0.15, 0.15, 0.15)
     data_seed: int = 7919  # not the benchmark's data seed: the feature net never sees the evaluation images
-    steps: int = 4000
+    steps: int = 8000
     batch: int = 64
     lr: float = 3e-3
     noise: float = 30.0
