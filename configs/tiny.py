@@ -14,6 +14,7 @@ def get_config():
     c.model.heads = 4
     c.model.patch = 4
     c.model.bottleneck = 32
+    c.model.pos_embed = "sincos"  # JiT's fixed absolute positions beside RoPE: "in the center" is where, not relative
     c.model.dtype = "float32"  # bf16 matmuls are slow on CPU
     c.text.width = 64
     c.text.depth = 1

@@ -229,8 +229,30 @@ def to_json(cfg: ml_collections.ConfigDict) -> str:
     return cfg.to_json(sort_keys=True)
 
 
-def from_json(text: str) -> ml_collections.ConfigDict:
-    """Rebuild a config saved in a checkpoint (lists come back as tuples, as the base declares them)."""
+# Keys added to configs/base.py after runs were saved, with the value under which those runs trained: a saved config
+# that lacks one is read with it (`from_json`, and the resume check in trainer.py), so an old run samples, scores and
+# resumes as it trained. Add an entry here with every new key whose default would change what an older run does.
+ADDED_KEYS = {
+    "model.pos_embed": "none",  # no absolute position embedding before it existed
+    "data.render": "fixed",  # one image per caption, the rendering before the jittered one
+    "data.min_objects": 1,
+    "data.shapes": (),
+    "data.colors": (),
+    "data.stages": (),
+    "ema.warmup_power": -1.0,  # a fixed EMA decay from the first step
+    "text.frozen_encoder": "",
+    "text.frozen_encoder_path": "",
+    "latent.path": "",  # pixel space
+    "loss.repa_weight": 0.0,
+    "loss.repa_target": "dinov2",
+    "loss.repa_dim": 768,
+    "loss.repa_hidden": 1024,
+    "sample.score_num": 0,
+}
+
+
+def saved_dict(text: str) -> dict:
+    """A saved config's JSON as a nested dict, with the ADDED_KEYS it predates filled in (lists as tuples)."""
 
     def fix(node):
         if isinstance(node, dict):
@@ -239,6 +261,19 @@ def from_json(text: str) -> ml_collections.ConfigDict:
             return tuple(fix(v) for v in node)
         return node
 
-    cfg = ml_collections.ConfigDict(fix(json.loads(text)))
+    tree = fix(json.loads(text))
+    for dotted, value in ADDED_KEYS.items():
+        *parents, leaf = dotted.split(".")
+        node = tree
+        for part in parents:
+            node = node.setdefault(part, {})
+        node.setdefault(leaf, value)
+    return tree
+
+
+def from_json(text: str) -> ml_collections.ConfigDict:
+    """Rebuild a config saved in a checkpoint (lists come back as tuples, as the base declares them; keys the
+    config predates come back with the value it trained under, see ADDED_KEYS)."""
+    cfg = ml_collections.ConfigDict(saved_dict(text))
     cfg.lock()
     return cfg

@@ -1,5 +1,6 @@
 """Configs: every key declared once, overrides typed, impossible combinations rejected before compiling."""
 
+import json
 import os
 import subprocess
 import sys
@@ -171,3 +172,41 @@ def test_config_files_in_subfolders_load_without_sys_path(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["v", "8", "768"]
+
+
+def test_a_saved_config_that_predates_a_key_reads_back_as_it_trained():
+    # A run saved before a key existed must sample, score and resume as it trained: the key comes back with the
+    # value it trained under (config.ADDED_KEYS), not the new default, and resuming it is not refused.
+    from reve_jax import config, trainer
+
+    base = load_config("configs/tiny.py")
+    flat = {}
+    for dotted, legacy in config.ADDED_KEYS.items():
+        *parents, leaf = dotted.split(".")
+        node = base
+        for part in parents:
+            node = node[part]
+        assert leaf in node, f"ADDED_KEYS names {dotted}, which configs/base.py does not have"
+        assert type(node[leaf]) is type(legacy), f"{dotted}: {legacy!r} is not of the key's type"
+        flat[dotted] = legacy
+    saved = json.loads(config.to_json(base))
+    for dotted in flat:
+        *parents, leaf = dotted.split(".")
+        node = saved
+        for part in parents:
+            node = node[part]
+        del node[leaf]
+    text = json.dumps(saved)
+    old = config.from_json(text)
+    for dotted, legacy in flat.items():
+        section, *rest = dotted.split(".")
+        value = old[section]
+        for part in rest:
+            value = value[part]
+        assert value == legacy, dotted
+    assert base.model.pos_embed != "none"  # the tiny config now differs from the old run...
+    with pytest.raises(Exception, match="model.pos_embed: saved 'none', now 'sincos'"):
+        trainer.check_compatible(base, text)  # ...and resuming the old run under it says so
+    with base.unlocked():
+        base.model.pos_embed = "none"
+    trainer.check_compatible(base, text)  # the same model: the missing keys are not a difference

@@ -125,7 +125,7 @@ class DiT(nnx.Module):
         self.out_patch = out_patch or self.patch
         self.head_dim = width // heads
         self.rope_theta = m.rope_theta
-        self.pos_embed = m.get("pos_embed", "none")  # configs saved before the key existed: none
+        self.pos_embed = m.pos_embed
         self.remat = m.remat
         self.scan_layers = m.scan_layers
         self.repa_block = m.repa_block if routing_allowed else -1
