@@ -12,7 +12,14 @@ MIB = 2**20
 
 
 def test_state_bytes_on_an_abstract_mesh_larger_than_the_devices():
-    cfg = tiny_config("model.width=64", "model.heads=2", "mesh.fsdp=16", "mesh.tensor=8", "train.global_batch=16")
+    cfg = tiny_config(  # AdamW: its state is two moments per parameter, checked below
+        "model.width=64",
+        "model.heads=2",
+        "mesh.fsdp=16",
+        "mesh.tensor=8",
+        "train.global_batch=16",
+        "optim.name='adamw'",
+    )
     p, sizer = memory.plan(cfg, 128)
     assert p.mesh == {"data": 1, "fsdp": 16, "tensor": 8} and len(jax.devices()) < 128
     full = sum(memory.leaf_bytes(a) for a in jax.tree.leaves(sizer.abstract["params"]))

@@ -85,10 +85,9 @@ def test_nan_stops_with_a_clear_message_and_keeps_the_last_good_checkpoint(tmp_p
 
 
 def test_tiny_overfit_drives_the_loss_down():
-    cfg = tiny_config(  # a constant rate: the config's cosine would decay over TINY's 4 steps
-        "optim.lr=3e-3", "optim.schedule='constant'", "optim.warmup_steps=5", "diffusion.caption_drop=0.0",
-        "diffusion.t_sampler='uniform'",
-    )  # fmt: skip
+    cfg = tiny_config(
+        "optim.lr=3e-3", "optim.warmup_steps=5", "diffusion.caption_drop=0.0", "diffusion.t_sampler='uniform'"
+    )
     run = builder.build(cfg)
     state = run.init_state()
     batch = next(run.batches(0))
