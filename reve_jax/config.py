@@ -251,8 +251,9 @@ ADDED_KEYS = {
 }
 
 
-def saved_dict(text: str) -> dict:
-    """A saved config's JSON as a nested dict, with the ADDED_KEYS it predates filled in (lists as tuples)."""
+def from_json(text: str) -> ml_collections.ConfigDict:
+    """Rebuild a config saved in a checkpoint (lists come back as tuples, as the base declares them; keys the
+    config predates come back with the value it trained under, see ADDED_KEYS)."""
 
     def fix(node):
         if isinstance(node, dict):
@@ -268,12 +269,6 @@ def saved_dict(text: str) -> dict:
         for part in parents:
             node = node.setdefault(part, {})
         node.setdefault(leaf, value)
-    return tree
-
-
-def from_json(text: str) -> ml_collections.ConfigDict:
-    """Rebuild a config saved in a checkpoint (lists come back as tuples, as the base declares them; keys the
-    config predates come back with the value it trained under, see ADDED_KEYS)."""
-    cfg = ml_collections.ConfigDict(saved_dict(text))
+    cfg = ml_collections.ConfigDict(tree)
     cfg.lock()
     return cfg

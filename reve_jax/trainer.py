@@ -60,7 +60,7 @@ def _flatten(node, prefix=""):
 def state_key_changes(cfg, saved_json: str) -> dict[str, tuple]:
     """The STATE_KEYS entries whose values differ between a saved config (JSON) and `cfg`: key -> (saved, now)."""
     now = _flatten(json.loads(config.to_json(cfg)))
-    then = _flatten(json.loads(json.dumps(config.saved_dict(saved_json))))
+    then = _flatten(json.loads(config.to_json(config.from_json(saved_json))))  # with the keys it predates
     return {
         k: (then.get(k), now.get(k)) for k in sorted(set(now) | set(then))
         if any(k == p or k.startswith(p + ".") for p in STATE_KEYS) and k not in NOT_STATE_KEYS
