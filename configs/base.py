@@ -126,6 +126,7 @@ def get_config() -> ml_collections.ConfigDict:
     lt.channels = 16  # latent channels (checked against the file)
     lt.downsample = 4  # pixels per latent cell side, a power of 2 (checked against the file)
     lt.width = 32  # the autoencoder's stem channels (doubling per level, up to 4x)
+    lt.res_blocks = 0  # residual blocks per level and in the middle (docs/latent.md)
     lt.train_steps = 3000
     lt.train_batch = 64
     lt.train_lr = 2e-3

@@ -243,6 +243,7 @@ ADDED_KEYS = {
     "text.frozen_encoder": "",
     "text.frozen_encoder_path": "",
     "latent.path": "",  # pixel space
+    "latent.res_blocks": 0,  # the plain convolution stack
     "loss.repa_weight": 0.0,
     "loss.repa_target": "dinov2",
     "loss.repa_dim": 768,

@@ -35,7 +35,9 @@ def enabled(cfg) -> bool:
 
 def ae_config(cfg) -> autoencoder.AEConfig:
     lt = cfg.latent
-    return autoencoder.AEConfig(channels=lt.channels, downsample=lt.downsample, width=lt.width)
+    return autoencoder.AEConfig(
+        channels=lt.channels, downsample=lt.downsample, width=lt.width, res_blocks=lt.res_blocks
+    )
 
 
 def load(cfg) -> autoencoder.Autoencoder:

@@ -1,9 +1,11 @@
 """A small convolutional autoencoder for latent diffusion: pixels [B, H, W, 3] in [-1, 1] <-> latents
 [B, H/f, W/f, C], with f = 2^k.
 
-Encoder: a 3x3 stem, then per level a 3x3 convolution and a stride-2 3x3 convolution (channels doubling up to 4x
-the stem's), a 3x3 convolution and a 1x1 projection to C channels. The decoder mirrors it with nearest-neighbour
-upsampling. SiLU between convolutions. Trained as a fixed-variance VAE (latent.py): the decoder reconstructs from
+Encoder: a 3x3 stem, then per level a 3x3 convolution, `res_blocks` residual blocks and a stride-2 3x3 convolution
+(channels doubling up to 4x the stem's), a 3x3 convolution, `res_blocks` residual blocks and a 1x1 projection to C
+channels. The decoder mirrors it with nearest-neighbour upsampling. SiLU between convolutions. A residual block is
+x + conv(silu(conv(silu(x)))) with the second convolution zero-initialised (it starts as the identity), which lets a
+deeper autoencoder train as fast as a shallow one. Trained as a fixed-variance VAE (latent.py): the decoder reconstructs from
 the latent plus Gaussian noise of std `latent.train_noise` (in units of the latents' own scale), with a small L2
 pull on the latents, so that the decoder tolerates the small errors of a diffusion model's samples.
 
@@ -28,11 +30,13 @@ FORMAT = "reve_jax.autoencoder/1"
 
 @dataclasses.dataclass(frozen=True)
 class AEConfig:
-    """channels: latent channels C; downsample: f (a power of 2); width: the stem's channels."""
+    """channels: latent channels C; downsample: f (a power of 2); width: the stem's channels; res_blocks: residual
+    blocks per level and in the middle (0: the plain convolution stack of files written before they existed)."""
 
     channels: int = 16
     downsample: int = 4
     width: int = 32
+    res_blocks: int = 0
 
     @property
     def levels(self) -> int:
@@ -43,8 +47,30 @@ class AEConfig:
         return [min(self.width * 2**i, 4 * self.width) for i in range(self.levels + 1)]
 
 
-def _conv(cin: int, cout: int, k: int, rngs: nnx.Rngs, stride: int = 1) -> nnx.Conv:
-    return nnx.Conv(cin, cout, kernel_size=(k, k), strides=(stride, stride), padding="SAME", rngs=rngs)
+def _conv(cin: int, cout: int, k: int, rngs: nnx.Rngs, stride: int = 1, zero: bool = False) -> nnx.Conv:
+    init = {"kernel_init": nnx.initializers.zeros_init()} if zero else {}
+    return nnx.Conv(cin, cout, kernel_size=(k, k), strides=(stride, stride), padding="SAME", rngs=rngs, **init)
+
+
+class ResBlock(nnx.Module):
+    """x + conv(silu(conv(silu(x)))), the second convolution zero-initialised."""
+
+    def __init__(self, width: int, rngs: nnx.Rngs):
+        self.conv_a = _conv(width, width, 3, rngs)
+        self.conv_b = _conv(width, width, 3, rngs, zero=True)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + self.conv_b(jax.nn.silu(self.conv_a(jax.nn.silu(x))))
+
+
+def _res_stack(width: int, n: int, rngs: nnx.Rngs) -> nnx.List:
+    return nnx.List([ResBlock(width, rngs) for _ in range(n)])
+
+
+def _apply(blocks, h: jax.Array) -> jax.Array:
+    for block in blocks:
+        h = block(h)
+    return h
 
 
 class Autoencoder(nnx.Module):
@@ -54,6 +80,7 @@ class Autoencoder(nnx.Module):
         self.cfg = cfg
         w = cfg.level_widths()
         self.stem = _conv(3, w[0], 3, rngs)
+        n = cfg.res_blocks
         self.down = nnx.List(
             [
                 nnx.List([_conv(w[i], w[i], 3, rngs), _conv(w[i], w[i + 1], 3, rngs, stride=2)])
@@ -70,23 +97,38 @@ class Autoencoder(nnx.Module):
                 for i in reversed(range(cfg.levels))
             ]
         )
+        if n:  # residual blocks (only created when asked for, so files without them keep their parameter names)
+            self.enc_res = nnx.List([_res_stack(w[i], n, rngs) for i in range(cfg.levels)])
+            self.enc_mid_res = _res_stack(w[-1], n, rngs)
+            self.dec_mid_res = _res_stack(w[-1], n, rngs)
+            self.dec_res = nnx.List([_res_stack(w[i], n, rngs) for i in reversed(range(cfg.levels))])
         self.out = _conv(w[0], 3, 3, rngs)
         # Per-channel normalisation of the latents (set from data after training): z_norm = (z - shift) / scale.
         self.shift = nnx.Variable(jnp.zeros((cfg.channels,), jnp.float32))
         self.scale = nnx.Variable(jnp.ones((cfg.channels,), jnp.float32))
 
+    def _res(self, name: str, i: int | None = None):
+        if not self.cfg.res_blocks:
+            return ()
+        blocks = getattr(self, name)
+        return blocks if i is None else blocks[i]
+
     def encode_raw(self, x: jax.Array) -> jax.Array:
         h = jax.nn.silu(self.stem(x))
-        for conv, down in self.down:
-            h = jax.nn.silu(down(jax.nn.silu(conv(h))))
-        return self.to_latent(jax.nn.silu(self.enc_mid(h)))
+        for i, (conv, down) in enumerate(self.down):
+            h = _apply(self._res("enc_res", i), jax.nn.silu(conv(h)))
+            h = jax.nn.silu(down(h))
+        h = _apply(self._res("enc_mid_res"), jax.nn.silu(self.enc_mid(h)))
+        return self.to_latent(h)
 
     def decode_raw(self, z: jax.Array) -> jax.Array:
         h = jax.nn.silu(self.dec_mid(jax.nn.silu(self.from_latent(z))))
-        for conv_a, conv_b in self.up:
+        h = _apply(self._res("dec_mid_res"), h)
+        for i, (conv_a, conv_b) in enumerate(self.up):
             b, hh, ww, c = h.shape
             h = jax.image.resize(h, (b, 2 * hh, 2 * ww, c), method="nearest")
-            h = jax.nn.silu(conv_b(jax.nn.silu(conv_a(h))))
+            h = _apply(self._res("dec_res", i), jax.nn.silu(conv_a(h)))
+            h = jax.nn.silu(conv_b(h))
         return self.out(h)
 
     def encode(self, x: jax.Array) -> jax.Array:
@@ -102,12 +144,13 @@ class Autoencoder(nnx.Module):
 def encoder_flops_per_image(cfg: AEConfig, h: int, w: int) -> float:
     """Forward FLOPs (2 per multiply-add) of `Autoencoder.encode` on one h x w image."""
     widths = cfg.level_widths()
+    res = 2 * cfg.res_blocks  # 3x3 convolutions of the residual blocks, per level and in the middle
     total = 2 * h * w * 9 * 3 * widths[0]
     for i in range(cfg.levels):
-        total += 2 * h * w * 9 * widths[i] * widths[i]
+        total += (1 + res) * 2 * h * w * 9 * widths[i] * widths[i]
         h, w = h // 2, w // 2
         total += 2 * h * w * 9 * widths[i] * widths[i + 1]
-    total += 2 * h * w * 9 * widths[-1] ** 2 + 2 * h * w * widths[-1] * cfg.channels
+    total += (1 + res) * 2 * h * w * 9 * widths[-1] ** 2 + 2 * h * w * widths[-1] * cfg.channels
     return float(total)
 
 
