@@ -48,7 +48,7 @@ def test_methods_differ_only_in_their_techniques_and_every_size_builds():
     assert recipe.seed == recipe.data.seed == 1  # a seed sets the data too
     assert recipe.train.ckpt_every == size.eval_every == size.steps // size.evals
     lat = speedup.build_config(size, "latent", 0)
-    assert lat.latent.path and lat.diffusion.prediction == "v" and lat.model.patch == 2  # 16 tokens, as the recipe
+    assert lat.latent.path and lat.diffusion.prediction == "v" and lat.model.patch == 4  # 16 tokens, as the recipe
     assert (
         lat.data.image_size // lat.latent.downsample // lat.model.patch
     ) == recipe.data.image_size // recipe.model.patch

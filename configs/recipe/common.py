@@ -67,12 +67,11 @@ def apply(c, technique: str, bottleneck_rank: int):
             c.loss.repa_target = "features"
             c.loss.repa_dim = 48  # eval/features.py's cell embedding width
     elif technique == "latent":
-        # Linum's baseline: a DiT on the latents of an autoencoder (f=4, 16 channels), at the pixel model's token
-        # count (64 latent values per token at the CPU sizes). latent.path must name the trained autoencoder: a
-        # default location fails with a clear error until scripts/train_autoencoder.py writes it there.
+        # Linum's baseline: a DiT on the latents of an autoencoder, at the pixel model's token count. The size's
+        # model overrides choose the autoencoder (latent.downsample, latent.channels; else the base's f=4 with 16
+        # channels). latent.path must name the trained autoencoder: a default location fails with a clear error
+        # until scripts/train_autoencoder.py writes it there.
         side = c.data.image_size // c.model.patch  # tokens per side of the pixel model
-        c.latent.channels = 16
-        c.latent.downsample = 4 if c.data.image_size <= 64 else 8
         c.model.patch = max(1, c.data.image_size // c.latent.downsample // side)
         c.latent.path = c.latent.path or f"weights/autoencoder_{c.data.image_size}px.npz"
     elif technique == "smallpatch":  # JiT's working pixel baseline: 4 px patches, 48 values per token

@@ -26,6 +26,8 @@ MODEL = (
     "text.max_len=32",
     "data.image_size=128",
     "data.max_objects=3",
+    "latent.downsample=8",  # baseline A's autoencoder: 16x16x16 latents
+    "latent.channels=16",
 )
 TRAIN = (
     *shared.COMMON_TRAIN,
