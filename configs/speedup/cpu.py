@@ -23,6 +23,7 @@ PROTOCOL = Protocol(
     baseline="latent",
     methods=("recipe",),
     further=("pixel", "prx", "pixel_p8", "recipe-jit", "recipe-bottleneck", "recipe-ddt", "recipe-repa"),
+    cfg_scales=(1.5, 2.0, 3.0),  # from 3 up objects start to vanish at 32 px (docs/tiny.md)
 )
 FROZEN = {
     "latent": {"lr": 2e-3, "cfg_scale": 3.0},
