@@ -27,7 +27,8 @@ def ae_file(tmp_path_factory):
 def test_autoencoder_round_trip_and_normalised_latents(ae_file):
     path, model = ae_file
     loaded, meta = autoencoder.load(path)
-    assert meta["config"] == {"channels": 4, "downsample": 2, "width": 8, "res_blocks": 0} and meta["info"]["steps"] == 30
+    assert meta["config"] == {"channels": 4, "downsample": 2, "width": 8, "res_blocks": 0}
+    assert meta["info"]["steps"] == 30
     for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(loaded)), strict=True):
         np.testing.assert_array_equal(a, b)
     cfg = tiny_config(*AE)
@@ -48,8 +49,10 @@ def test_encoder_flops_match_xla_and_residual_blocks_save_exactly(res_blocks, tm
     cost = jax.jit(lambda s, x: nnx.merge(graphdef, s).encode_raw(x)).lower(state, x).compile().cost_analysis()
     xla = (cost[0] if isinstance(cost, list) else cost)["flops"]
     # The formula counts every 3x3 tap (XLA skips the zero padding at the borders: a few % fewer at 32 px).
-    assert 0.85 * autoencoder.encoder_flops_per_image(cfg, 32, 32) < xla <= autoencoder.encoder_flops_per_image(
-        cfg, 32, 32
+    assert (
+        0.85 * autoencoder.encoder_flops_per_image(cfg, 32, 32)
+        < xla
+        <= autoencoder.encoder_flops_per_image(cfg, 32, 32)
     )
     params = nnx.state(model, nnx.Param)  # off the zero init, so every residual convolution matters
     nnx.update(model, jax.tree.map(lambda v: v + 0.05 * np.sign(np.sin(np.arange(v.size))).reshape(v.shape), params))

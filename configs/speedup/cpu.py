@@ -26,8 +26,8 @@ PROTOCOL = Protocol(
     cfg_scales=(1.5, 2.0, 3.0),  # from 3 up objects start to vanish at 32 px (docs/tiny.md)
 )
 FROZEN = {
-    "latent": {"lr": 2e-3, "cfg_scale": 3.0},
-    "recipe": {"lr": 2e-3, "cfg_scale": 3.0},
+    "latent": {"lr": 2e-3, "cfg_scale": 2.0},
+    "recipe": {"lr": 2e-3, "cfg_scale": 2.0},
 }
 
 

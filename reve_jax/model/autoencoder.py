@@ -5,8 +5,8 @@ Encoder: a 3x3 stem, then per level a 3x3 convolution, `res_blocks` residual blo
 (channels doubling up to 4x the stem's), a 3x3 convolution, `res_blocks` residual blocks and a 1x1 projection to C
 channels. The decoder mirrors it with nearest-neighbour upsampling. SiLU between convolutions. A residual block is
 x + conv(silu(conv(silu(x)))) with the second convolution zero-initialised (it starts as the identity), which lets a
-deeper autoencoder train as fast as a shallow one. Trained as a fixed-variance VAE (latent.py): the decoder reconstructs from
-the latent plus Gaussian noise of std `latent.train_noise` (in units of the latents' own scale), with a small L2
+deeper autoencoder start like a shallow one. Trained as a fixed-variance VAE (latent.py): the decoder reconstructs
+from the latent plus Gaussian noise of std `latent.train_noise` (in units of the latents' own scale), with a small L2
 pull on the latents, so that the decoder tolerates the small errors of a diffusion model's samples.
 
 The latents the diffusion model sees are normalised per channel (`shift`, `scale`, measured on the data after
