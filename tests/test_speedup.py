@@ -148,3 +148,26 @@ def test_a_benchmark_run_is_a_resumable_trainer_run(tmp_path):
     evals = sum(p["eval_s"] for p in straight["curve"])
     assert straight["curve"][-1]["wall_s"] < elapsed - evals - straight["compile_s"]
     assert straight["diverged"] is None and straight["step_flops"] > 0
+
+
+def test_sweep_extends_the_grid_until_the_winner_is_inside_then_picks_the_guidance(tmp_path, monkeypatch):
+    """The sweep's logic on stub runs: alignment peaks at lr 1.6e-2, beyond the size's grid, so the grid is
+    extended upward twice; the winner is inside the final grid; the guidance scale comes back as a number."""
+    size = dataclasses.replace(_size("cpu"), sweep_lrs=(1e-3, 2e-3, 4e-3), cfg_scales=(1.5, 2.0, 3.0))
+    trained = []
+
+    def fake_run(self, method, seed, lr=None, *, evals=None):
+        trained.append((method, seed, lr, evals))
+        return {"curve": [{"align_overall": 1.0 - abs(np.log2(lr / 1.6e-2)) / 10}]}
+
+    monkeypatch.setattr(speedup.Runner, "run", fake_run)
+    monkeypatch.setattr(speedup, "guidance_scores", lambda workdir, size: {"1.5": 0.5, "2": 0.7, "3": 0.6})
+    logs = []
+    result = speedup.sweep(size, tmp_path, ["latent"], max_extend=3, log=logs.append)
+    lrs = [t[2] for t in trained]
+    assert lrs == [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2] and {t[1] for t in trained} == {size.seeds[0]}
+    assert all(t[3] == 1 for t in trained)  # sweep runs are evaluated at the end only
+    assert result["latent"]["lr"] == 1.6e-2 and result["latent"]["inside_grid"]
+    assert result["latent"]["cfg_scale"] == 2.0 and isinstance(result["latent"]["cfg_scale"], float)
+    assert json.loads((tmp_path / "sweep.json").read_text())["latent"]["cfg_scale"] == 2.0
+    assert "inside" in logs[-1] and "guidance 2" in logs[-1]

@@ -302,7 +302,7 @@ def sweep(size: Protocol, out_dir, methods, *, extra=(), cache_dir=None, evaluat
         key = _run_key(size, method, seed, extra, best) + "-e1"
         scales = guidance_scores(out / "runs" / key, size)
         result[method] = {"lr": best, "inside_grid": inside, "grid": {f"{k:g}": v for k, v in sorted(scores.items())},
-                          "cfg_scale": max(scales, key=scales.get), "cfg_scores": scales}  # fmt: skip
+                          "cfg_scale": float(max(scales, key=scales.get)), "cfg_scores": scales}  # fmt: skip
         log(f"sweep {method}: lr {best:g} ({'inside' if inside else 'AT THE EDGE of'} the grid {result[method]['grid']}"
             f"), guidance {result[method]['cfg_scale']:g} ({scales})")  # fmt: skip
         (out / "sweep.json").write_text(json.dumps(result, indent=1))
