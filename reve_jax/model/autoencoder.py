@@ -97,37 +97,31 @@ class Autoencoder(nnx.Module):
                 for i in reversed(range(cfg.levels))
             ]
         )
-        if n:  # residual blocks (only created when asked for, so files without them keep their parameter names)
-            self.enc_res = nnx.List([_res_stack(w[i], n, rngs) for i in range(cfg.levels)])
-            self.enc_mid_res = _res_stack(w[-1], n, rngs)
-            self.dec_mid_res = _res_stack(w[-1], n, rngs)
-            self.dec_res = nnx.List([_res_stack(w[i], n, rngs) for i in reversed(range(cfg.levels))])
+        # Residual blocks (empty lists hold no parameters, so files written without them keep their names).
+        self.enc_res = nnx.List([_res_stack(w[i], n, rngs) for i in range(cfg.levels)])
+        self.enc_mid_res = _res_stack(w[-1], n, rngs)
+        self.dec_mid_res = _res_stack(w[-1], n, rngs)
+        self.dec_res = nnx.List([_res_stack(w[i], n, rngs) for i in reversed(range(cfg.levels))])
         self.out = _conv(w[0], 3, 3, rngs)
         # Per-channel normalisation of the latents (set from data after training): z_norm = (z - shift) / scale.
         self.shift = nnx.Variable(jnp.zeros((cfg.channels,), jnp.float32))
         self.scale = nnx.Variable(jnp.ones((cfg.channels,), jnp.float32))
 
-    def _res(self, name: str, i: int | None = None):
-        if not self.cfg.res_blocks:
-            return ()
-        blocks = getattr(self, name)
-        return blocks if i is None else blocks[i]
-
     def encode_raw(self, x: jax.Array) -> jax.Array:
         h = jax.nn.silu(self.stem(x))
         for i, (conv, down) in enumerate(self.down):
-            h = _apply(self._res("enc_res", i), jax.nn.silu(conv(h)))
+            h = _apply(self.enc_res[i], jax.nn.silu(conv(h)))
             h = jax.nn.silu(down(h))
-        h = _apply(self._res("enc_mid_res"), jax.nn.silu(self.enc_mid(h)))
+        h = _apply(self.enc_mid_res, jax.nn.silu(self.enc_mid(h)))
         return self.to_latent(h)
 
     def decode_raw(self, z: jax.Array) -> jax.Array:
         h = jax.nn.silu(self.dec_mid(jax.nn.silu(self.from_latent(z))))
-        h = _apply(self._res("dec_mid_res"), h)
+        h = _apply(self.dec_mid_res, h)
         for i, (conv_a, conv_b) in enumerate(self.up):
             b, hh, ww, c = h.shape
             h = jax.image.resize(h, (b, 2 * hh, 2 * ww, c), method="nearest")
-            h = _apply(self._res("dec_res", i), jax.nn.silu(conv_a(h)))
+            h = _apply(self.dec_res[i], jax.nn.silu(conv_a(h)))
             h = jax.nn.silu(conv_b(h))
         return self.out(h)
 
