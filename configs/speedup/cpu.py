@@ -33,5 +33,5 @@ FROZEN = {
 
 def get_config(method=None):
     return common.method_config(
-        "tiny", shared.cpu_model(image_size=32, patch=8), shared.cpu_train(batch=32), method or "recipe", FROZEN
+        "tiny", shared.cpu_model(image_size=32, patch=4), shared.cpu_train(batch=32), method or "recipe", FROZEN
     )
