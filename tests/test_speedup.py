@@ -48,12 +48,13 @@ def test_methods_differ_only_in_their_techniques_and_every_size_builds():
     assert recipe.seed == recipe.data.seed == 1  # a seed sets the data too
     assert recipe.train.ckpt_every == size.eval_every == size.steps // size.evals
     lat = speedup.build_config(size, "latent", 0)
-    assert lat.latent.path and lat.diffusion.prediction == "v" and lat.model.patch == 4  # 16 tokens, as the recipe
-    assert (
-        lat.data.image_size // lat.latent.downsample // lat.model.patch
-    ) == recipe.data.image_size // recipe.model.patch
+    assert lat.latent.path and lat.diffusion.prediction == "v" and lat.model.patch == 2
     pixel = speedup.build_config(size, "pixel", 0)
     assert pixel.model.patch == 4 and pixel.diffusion.prediction == "v"
+    # the baselines at 64 tokens (where they learn in the budget), the recipe at 16 (JiT's large patches)
+    assert (lat.data.image_size // lat.latent.downsample // lat.model.patch) ** 2 == 64
+    assert (pixel.data.image_size // pixel.model.patch) ** 2 == 64
+    assert (recipe.data.image_size // recipe.model.patch) ** 2 == 16
     assert speedup.build_config(size, "recipe-ddt", 0).model.arch == "dit"
     prx = speedup.build_config(size, "prx", 0)
     assert prx.model.route.enabled and prx.optim.name == "muon"
