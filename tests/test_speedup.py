@@ -51,7 +51,7 @@ def test_methods_differ_only_in_their_techniques_and_every_size_builds():
     assert lat.latent.path and lat.diffusion.prediction == "v" and lat.model.patch == 2
     pixel = speedup.build_config(size, "pixel", 0)
     assert pixel.model.patch == 4 and pixel.diffusion.prediction == "v"
-    # the baselines at 64 tokens (where they learn in the budget), the recipe at 16 (JiT's large patches)
+    # the baselines at 64 tokens (where they learned best), the recipe at 16 (JiT's large patches)
     assert (lat.data.image_size // lat.latent.downsample // lat.model.patch) ** 2 == 64
     assert (pixel.data.image_size // pixel.model.patch) ** 2 == 64
     assert (recipe.data.image_size // recipe.model.patch) ** 2 == 16

@@ -67,10 +67,11 @@ def apply(c, technique: str, bottleneck_rank: int):
             c.loss.repa_target = "features"
             c.loss.repa_dim = 48  # eval/features.py's cell embedding width
     elif technique == "latent":
-        # Linum's baseline: a DiT on the latents of an autoencoder, at the pixel model's token count. The size's
-        # model overrides choose the autoencoder (latent.downsample, latent.channels; else the base's f=4 with 16
-        # channels). latent.path must name the trained autoencoder: a default location fails with a clear error
-        # until scripts/train_autoencoder.py writes it there.
+        # Linum's baseline: a DiT on the latents of an autoencoder, at the pixel model's token count (a size file may
+        # give it its own: configs/speedup/cpu.py). The size's model overrides choose the autoencoder
+        # (latent.downsample, latent.channels; else the base's f=4 with 16 channels). latent.path must name the
+        # trained autoencoder: a default location fails with a clear error until scripts/train_autoencoder.py
+        # writes it there.
         side = c.data.image_size // c.model.patch  # tokens per side of the pixel model
         c.model.patch = max(1, c.data.image_size // c.latent.downsample // side)
         c.latent.path = c.latent.path or f"weights/autoencoder_{c.data.image_size}px.npz"
