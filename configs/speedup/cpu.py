@@ -35,7 +35,8 @@ FROZEN = {
 # Each method at the token count where it learned best in the calibration runs: the recipe at 16 (JiT's regime of
 # large patches), the baselines at 64. Baseline A reads its 16x16x8 latents in 2x2 patches (64 tokens of 32 values):
 # in 4x4 patches (16 tokens, the recipe's count) it scored 0.28 against 0.38 in 2x2, in the same 1,500 steps and
-# with the same noise-0.5 decoder (docs/latent.md); the benchmark's costs count what its extra tokens cost it.
+# with noise-0.5 decoders (6,000 and 12,000 steps; docs/latent.md); the benchmark's costs count what its extra
+# tokens cost it.
 OWN_TOKENS = {"latent": ("model.patch=2",)}
 
 
