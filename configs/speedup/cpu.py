@@ -19,16 +19,16 @@ from reve_jax.eval.speedup import Protocol
 
 PROTOCOL = Protocol(
     name="cpu",
-    steps=1500,
+    steps=2000,
     seeds=(0, 1, 2),
     baseline="latent",
     methods=("recipe",),
     further=("pixel", "prx", "pixel_p8", "recipe-jit", "recipe-bottleneck", "recipe-ddt", "recipe-repa"),
-    cfg_scales=(1.5, 2.0, 3.0),  # from 3 up objects start to vanish at 32 px (docs/tiny.md)
+    cfg_scales=(1.0, 1.5, 2.0, 3.0),  # 1 = no guidance; from 3 up objects start to vanish at 32 px (docs/tiny.md)
 )
-FROZEN = {
-    "latent": {"lr": 2e-3, "cfg_scale": 2.0},
-    "recipe": {"lr": 2e-3, "cfg_scale": 2.0},
+FROZEN = {  # the sweep of 2026-12-01 (runs/sweep_cpu2; docs/speedup.md has its table)
+    "latent": {"lr": 8e-3, "cfg_scale": 3.0},
+    "recipe": {"lr": 1e-3, "cfg_scale": 1.5},
 }
 
 
