@@ -36,8 +36,9 @@ def cpu_model(image_size: int, patch: int) -> tuple[str, ...]:
 # The decoder trains on noisy latents (0.4 of their std) so that a DiT's slightly-off latents still decode to clean
 # objects: in 2,000 steps without noise the latent DiT drew objects as fragments of every colour (0.34; at noise 0.5
 # 0.52, but those reconstructions miss the check: 0.978). 0.4 is the most tried that passes the check (0.987); the
-# DiT scored 0.40 on it in 1,500 steps at lr 1e-3, and 0.84 in the size's 2,000 steps at its swept lr (8e-3).
-# 12,000 steps, about 16 minutes on 2 cores, once per data setting; docs/latent.md has the tables.
+# DiT scored 0.40 on it in 1,500 steps at lr 1e-3; in the size's 2,000 steps at its swept lr (8e-3) 0.84 on seeds
+# 0 and 2 and 0.45 on seed 1 (the headline, docs/speedup.md). 12,000 steps, about 16 minutes on 2 cores, once per
+# data setting; docs/latent.md has the tables.
 CPU_AUTOENCODER = (
     "latent.downsample=2",
     "latent.channels=8",
