@@ -3,6 +3,7 @@ steps, samples, FLOPs, wall clock and CPU seconds to reach the baseline's final 
 
     python scripts/bench_speedup.py --size cpu --out runs/speedup_cpu                 # the headline, ~30 min on 2 CPUs
     python scripts/bench_speedup.py --size cpu --out runs/speedup_cpu --methods further   # baseline B, PRX, ablations
+    python scripts/bench_speedup.py --size cpu --out runs/ablation_cpu --baseline recipe --methods ablations  # vs the recipe
     python scripts/bench_speedup.py --size cpu --out runs/sweep_cpu --sweep --methods latent,recipe   # LRs, guidance
     python scripts/bench_speedup.py --size gpu --out runs/speedup_gpu                 # sized for ~8 minutes on one H200
     python scripts/bench_speedup.py --size gpu --quick --out runs/gpu_chk             # the gpu size's code path, shrunk
@@ -59,8 +60,9 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--size", default="cpu", help="a size name (configs/speedup/<size>.py) or a size file")
     p.add_argument("--out", help="output directory (default runs/speedup_<size>)")
-    p.add_argument("--methods", help="comma-separated methods, or 'further' (default: the size's headline methods)")
+    p.add_argument("--methods", help="comma-separated methods, 'further' or 'ablations' (default: the headline's)")
     p.add_argument("--sweep", action="store_true", help="the LR grid and guidance scales of --methods on one seed")
+    p.add_argument("--baseline", help="time the methods against this one (default: the size's baseline)")
     p.add_argument("--seeds", help="comma-separated seeds (default: the size's)")
     p.add_argument("--steps", type=int, help="training steps per run (default: the size's)")
     p.add_argument("--evals", type=int, help="evaluations per run (default: the size's)")
@@ -92,11 +94,13 @@ def main(argv=None):
         "steps": args.steps,
         "evals": args.evals,
         "n_eval": args.n_eval,
+        "baseline": args.baseline,
     }
     size = dataclasses.replace(size, **{k: v for k, v in changes.items() if v is not None})
     methods = None
     if args.methods:
-        methods = size.further if args.methods == "further" else tuple(args.methods.split(","))
+        named = {"further": size.further, "ablations": tuple(m for m in size.further if m.startswith("recipe-"))}
+        methods = named.get(args.methods) or tuple(args.methods.split(","))
     if args.dry_run:
         dry_run(size, methods or ((size.baseline, *size.methods) if args.sweep else size.methods), tuple(extra), args)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")

@@ -55,7 +55,11 @@ def test_methods_differ_only_in_their_techniques_and_every_size_builds():
     assert (lat.data.image_size // lat.latent.downsample // lat.model.patch) ** 2 == 64
     assert (pixel.data.image_size // pixel.model.patch) ** 2 == 64
     assert (recipe.data.image_size // recipe.model.patch) ** 2 == 16
-    assert speedup.build_config(size, "recipe-ddt", 0).model.arch == "dit"
+    no_ddt = speedup.build_config(size, "recipe-ddt", 0)
+    assert no_ddt.model.arch == "dit"
+    # a leave-one-out ablation changes one technique: it keeps the recipe's frozen LR and guidance
+    assert (no_ddt.optim.lr, no_ddt.sample.cfg_scale) == (recipe.optim.lr, recipe.sample.cfg_scale)
+    assert (recipe.optim.lr, recipe.sample.cfg_scale) != (lat.optim.lr, lat.sample.cfg_scale)
     prx = speedup.build_config(size, "prx", 0)
     assert prx.model.route.enabled and prx.optim.name == "muon"
     for name in SIZES:  # every method of every size is a valid config

@@ -130,7 +130,8 @@ def techniques_of(method: str) -> tuple[str, ...]:
 def method_config(size: str, model: tuple[str, ...], train: tuple[str, ...], method: str, frozen: dict | None = None):
     """A benchmark run's config: the `size` experiment config with the `model` overrides (model and data size), made
     the baseline, the method's techniques switched on, then the `train` overrides (budget, batch, schedule), then
-    the method's entry of `frozen` ({"lr", "cfg_scale"}: what the size's sweep chose)."""
+    the method's entry of `frozen` ({"lr", "cfg_scale"}: what the size's sweep chose). A leave-one-out ablation
+    (`recipe-<t>`) without an entry of its own takes the recipe's: it changes one technique and nothing else."""
     c = sized(size)
     for item in model:
         apply_override(c, item)
@@ -140,7 +141,8 @@ def method_config(size: str, model: tuple[str, ...], train: tuple[str, ...], met
         c = apply(c, t, rank)
     for item in train:
         apply_override(c, item)
-    chosen = (frozen or {}).get(method, {})
+    frozen = frozen or {}
+    chosen = frozen.get(method) or (frozen.get("recipe", {}) if method.startswith("recipe-") else {})
     if "lr" in chosen:
         c.optim.lr = float(chosen["lr"])
     if "cfg_scale" in chosen:
