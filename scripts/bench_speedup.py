@@ -1,9 +1,9 @@
 """The speedup benchmark: the JIT-DDT recipe against a latent DiT (Linum's comparison) and the other baselines, in
 steps, samples, FLOPs, wall clock and CPU seconds to reach the baseline's final caption alignment, over seeds.
 
-    python scripts/bench_speedup.py --size cpu --out runs/speedup_cpu                 # the headline, ~30 min on 2 CPUs
+    python scripts/bench_speedup.py --size cpu --out runs/speedup_cpu                 # the headline, 75 min on 2 CPUs
     python scripts/bench_speedup.py --size cpu --out runs/speedup_cpu --methods further   # baseline B, PRX, ablations
-    python scripts/bench_speedup.py --size cpu --out runs/ablation_cpu --baseline recipe --methods ablations  # vs the recipe
+    python scripts/bench_speedup.py --size cpu --out runs/ablation_cpu --baseline recipe --methods ablations
     python scripts/bench_speedup.py --size cpu --out runs/sweep_cpu --sweep --methods latent,recipe   # LRs, guidance
     python scripts/bench_speedup.py --size gpu --out runs/speedup_gpu                 # sized for ~8 minutes on one H200
     python scripts/bench_speedup.py --size gpu --quick --out runs/gpu_chk             # the gpu size's code path, shrunk
