@@ -109,6 +109,9 @@ def get_config() -> ml_collections.ConfigDict:
     lo.dino_weight = 0.0  # PRX and Linum: 0.01 (1 - cos between DINOv2 patch tokens of x_hat and x)
     lo.dino_path = ""  # converted DINOv2 .npz (ViT-B/14 with registers in the recipe)
     lo.dino_size = 224  # images resized to this for DINOv2
+    # What the dino term compares: dinov2 (patch tokens of loss.dino_path) | features (the per-cell embeddings of the
+    # project's own feature network of the procedural dataset, eval/features.py: no downloaded weights)
+    lo.dino_target = "dinov2"
     lo.repa_weight = 0.0  # PRX: 0.5, Linum: 0.1; aligns block model.repa_block's tokens to features of x
     # What REPA aligns to: dinov2 (patch tokens of loss.dino_path) | features (the project's own feature network of
     # the procedural dataset, eval/features.py: no downloaded weights, for the CPU benchmarks)

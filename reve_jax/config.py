@@ -33,6 +33,7 @@ CHOICES = {
     "optim.name": ("adamw", "muon"),
     "loss.perceptual_dtype": ("float32", "bfloat16"),
     "loss.repa_target": ("dinov2", "features"),
+    "loss.dino_target": ("dinov2", "features"),
     "optim.schedule": ("constant", "cosine", "linear"),
     "optim.muon_scale": ("moonlight", "keller"),
     "sample.sampler": ("euler", "heun"),
@@ -194,10 +195,13 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
             raise ConfigError(f"latent.path is set: the pixel-space losses {on} do not apply; set them to 0")
     lo = cfg.loss
     for term, path in (("lpips", lo.lpips_path), ("dino", lo.dino_path)):
+        if term == "dino" and lo.dino_target == "features":
+            continue
         if lo[f"{term}_weight"] > 0 and not path:
             raise ConfigError(
                 f"loss.{term}_weight={lo[f'{term}_weight']} needs loss.{term}_path: convert the weights with "
                 f"scripts/convert_weights.py (see docs/perceptual.md)"
+                + (", or loss.dino_target='features' for the project's own feature network" if term == "dino" else "")
             )
     if lo.repa_weight > 0:
         if lo.repa_target == "dinov2" and not lo.dino_path:
@@ -246,6 +250,7 @@ ADDED_KEYS = {
     "latent.res_blocks": 0,  # the plain convolution stack
     "loss.repa_weight": 0.0,
     "loss.repa_target": "dinov2",
+    "loss.dino_target": "dinov2",
     "loss.repa_dim": 768,
     "loss.repa_hidden": 1024,
     "sample.score_num": 0,

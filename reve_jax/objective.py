@@ -6,7 +6,8 @@ Terms, each logged as `loss_<name>` and summed into `loss`:
     fm     flow matching: the model's output against the target of `diffusion.loss_space` (always on)
     enc    JIT-DDT: the encoder tower's own loss on the image downsampled by model.ddt.enc_downsample
     lpips  LPIPS (VGG16) between the predicted and the clean image, gated to t >= loss.perceptual_t_min
-    dino   1 - cos between DINOv2 patch tokens of the predicted and the clean image, same gate
+    dino   1 - cos between DINOv2 patch tokens of the predicted and the clean image, same gate; with
+           loss.dino_target='features', between the per-cell embeddings of the project's own feature network
     repa   REPA: 1 - cos between block model.repa_block's image tokens through a trainable projector (a head of
            this module) and features of the clean image resampled onto the token grid: DINOv2 patch tokens, or
            (loss.repa_target='features') the project's own feature network of the procedural dataset
@@ -39,6 +40,7 @@ from reve_jax.perceptual import weights
 
 HEADS = "heads"
 AUTOENCODER = "autoencoder"
+FEATURES = "features"  # the project's feature network (eval/features.py), for REPA and the dino term
 
 
 # ---------------------------------------------------------------------------------------------------- Frozen nets
@@ -61,7 +63,7 @@ def load_frozen(cfg, mesh) -> FrozenNets:
     if lo.lpips_weight > 0:
         modules["lpips"] = weights.load_lpips(lo.lpips_path, dtype=dtype)
     repa_dino = lo.repa_weight > 0 and lo.repa_target == "dinov2"
-    if lo.dino_weight > 0 or repa_dino:
+    if (lo.dino_weight > 0 and lo.dino_target == "dinov2") or repa_dino:
         dino = weights.load_dinov2(lo.dino_path, dtype=dtype)
         width = dino.cfg.width
         if repa_dino and width != lo.repa_dim:
@@ -70,15 +72,16 @@ def load_frozen(cfg, mesh) -> FrozenNets:
                 f"set --config.loss.repa_dim={width}"
             )
         modules["dino"] = dino
-    if lo.repa_weight > 0 and lo.repa_target == "features":
+    repa_features = lo.repa_weight > 0 and lo.repa_target == "features"
+    if repa_features or (lo.dino_weight > 0 and lo.dino_target == "features"):
         from reve_jax.eval import features
 
         net, _ = features.get_feature_net(features.DEFAULT_SPEC)
         width = features.DEFAULT_SPEC.cell_dim
-        if width != lo.repa_dim:
+        if repa_features and width != lo.repa_dim:
             raise ValueError(f"loss.repa_dim={lo.repa_dim} but the feature network's cells are {width} wide: "
                              f"set --config.loss.repa_dim={width}")  # fmt: skip
-        modules["repa_features"] = net
+        modules[FEATURES] = net
     replicated = NamedSharding(mesh, PartitionSpec())
     graphdefs, states = {}, {}
     for name, module in modules.items():
@@ -194,7 +197,22 @@ def _lpips(c: Context) -> jax.Array:
 
 def _dino(c: Context) -> jax.Array:
     lo = c.cfg.loss
-    return lo.dino_weight * jnp.mean(c.gate * perceptual.dino_loss(c.frozen["dino"], c.x_hat, c.x, lo.dino_size))
+    if lo.dino_target == "features":
+        per = feature_loss(c.frozen[FEATURES], c.x_hat, c.x)
+    else:
+        per = perceptual.dino_loss(c.frozen["dino"], c.x_hat, c.x, lo.dino_size)
+    return lo.dino_weight * jnp.mean(c.gate * per)
+
+
+def feature_loss(net, x_hat: jax.Array, x: jax.Array) -> jax.Array:
+    """The dino term against the project's feature network: 1 - cos between its per-cell embeddings of the
+    prediction and of the clean image (no gradient), averaged over the 3x3 cells: [B] float32."""
+    from reve_jax.eval import features
+
+    net = perceptual.frozen(net)
+    got, _ = net.embed(features.to_net_input(x_hat))
+    ref, _ = net.embed(features.to_net_input(x))
+    return jnp.mean(_cosine_distance(got, jax.lax.stop_gradient(ref)), axis=-1)
 
 
 def feature_targets(net, x: jax.Array, grid: tuple[int, int]) -> jax.Array:
@@ -212,7 +230,7 @@ def feature_targets(net, x: jax.Array, grid: tuple[int, int]) -> jax.Array:
 def _repa(c: Context) -> jax.Array:
     lo = c.cfg.loss
     if lo.repa_target == "features":
-        target = feature_targets(c.frozen["repa_features"], c.x, c.grid)
+        target = feature_targets(c.frozen[FEATURES], c.x, c.grid)
     else:
         target = repa_targets(c.frozen["dino"], c.x, lo.dino_size, c.grid)
     target = jnp.take_along_axis(target, c.aux["repa_idx"][..., None], axis=1)  # the kept tokens when routed

@@ -154,3 +154,31 @@ def test_repa_to_the_feature_network_follows_the_batch_image_shape(random_featur
 def test_repa_to_dinov2_without_weights_is_a_clear_error():
     with pytest.raises(ConfigError, match="repa_target='features'"):
         tiny_config("loss.repa_weight=0.5", "model.repa_block=0")
+
+
+def test_dino_term_against_the_feature_network(random_feature_net):
+    """loss.dino_target='features': the dino term is 1 - cos between the feature network's per-cell embeddings of
+    the prediction and of the clean image (float64 reference), gated like the other perceptual terms, zero on the
+    clean image itself, and it trains without any weight file."""
+    from reve_jax.eval import features
+
+    cfg = tiny_config("loss.dino_weight=0.3", "loss.dino_target='features'", "loss.perceptual_t_min=0.5")
+    frozen = objective.load_frozen(cfg, sharding.make_mesh(cfg.mesh))
+    assert set(frozen.graphdefs) == {objective.FEATURES}  # no DINOv2 loaded
+    rng = np.random.default_rng(4)
+    x = rng.uniform(-1, 1, (3, 32, 32, 3)).astype(np.float32)
+    x_hat = np.clip(x + rng.normal(0, 0.5, x.shape), -1, 1).astype(np.float32)
+    t = np.array([0.9, 0.2, 0.7], np.float32)  # the second sample is below the gate
+    got = float(_terms(cfg, frozen, x_hat, x, t, {}, None)["loss_dino"])
+    a, _ = random_feature_net.embed(features.to_net_input(x_hat))
+    b, _ = random_feature_net.embed(features.to_net_input(x))
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    per = (1 - (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))).mean(-1)
+    np.testing.assert_allclose(got, 0.3 * np.mean(per * (t >= 0.5)), rtol=1e-4)
+    assert got > 0
+    assert abs(float(_terms(cfg, frozen, x, x, t, {}, None)["loss_dino"])) < 1e-5
+
+
+def test_dino_term_without_weights_is_a_clear_error():
+    with pytest.raises(ConfigError, match="dino_target='features'"):
+        tiny_config("loss.dino_weight=0.1")
