@@ -176,3 +176,19 @@ def test_sweep_extends_the_grid_until_the_winner_is_inside_then_picks_the_guidan
     assert result["latent"]["cfg_scale"] == 2.0 and isinstance(result["latent"]["cfg_scale"], float)
     assert json.loads((tmp_path / "sweep.json").read_text())["latent"]["cfg_scale"] == 2.0
     assert "inside" in logs[-1] and "guidance 2" in logs[-1]
+
+
+def test_a_finished_run_is_reused_across_added_config_keys():
+    """A run saved before a key was added to the config (config.ADDED_KEYS) still matches its config, read at the
+    value it ran under; a real difference in any value does not match."""
+    from reve_jax import config as config_lib
+
+    cfg = speedup.build_config(_size("cpu"), "recipe", 0)
+    saved = json.loads(config_lib.to_json(cfg))
+    del saved["loss"]["dino_target"]  # a run from before the key existed
+    old = json.dumps(saved, sort_keys=True)
+    assert old != config_lib.to_json(cfg) and speedup.same_config(old, cfg)
+    assert not speedup.same_config(old.replace('"dino_weight": 0.0', '"dino_weight": 0.5'), cfg)
+    saved["loss"]["dino_target"] = "features"  # a value other than the one ADDED_KEYS says old runs had
+    assert not speedup.same_config(json.dumps(saved, sort_keys=True), cfg)
+    assert not speedup.same_config(None, cfg)

@@ -106,6 +106,12 @@ def build_config(size: Protocol, method: str, seed: int, extra: tuple[str, ...] 
     return config_lib.load_config(f"{size.config}:{method}", [*items, *extra])
 
 
+def same_config(saved: str | None, cfg) -> bool:
+    """Whether a finished run's saved config (JSON) is `cfg`'s; keys added to the config since it ran are read at
+    the value it ran under (config.ADDED_KEYS), so a new option does not invalidate finished runs."""
+    return saved is not None and config_lib.to_json(config_lib.from_json(saved)) == config_lib.to_json(cfg)
+
+
 def with_autoencoder(cfg, size: Protocol, cache_dir: Path, log: Callable[[str], None] = print):
     """A latent run's config with latent.path set to the size's cached autoencoder (trained and checked on first
     use); pixel runs unchanged. Returns (config, the autoencoder's training record or None). Raises RuntimeError
@@ -182,11 +188,11 @@ class Runner:
             self.autoencoders[cfg.latent.path] = ae
         if path.exists():
             rec = json.loads(path.read_text())
-            if rec.get("config") == config_lib.to_json(cfg):
+            if same_config(rec.get("config"), cfg):
                 self.log(f"[{key}] reused from {path}")
                 return rec
         workdir = self.out / "runs" / key
-        if (workdir / "config.json").exists() and (workdir / "config.json").read_text() != config_lib.to_json(cfg):
+        if (workdir / "config.json").exists() and not same_config((workdir / "config.json").read_text(), cfg):
             raise RuntimeError(f"{workdir} holds a run of another config: move it away or use another --out")
         self.log(f"[{key}] {size.steps} steps, lr {cfg.optim.lr:g}, cfg {cfg.sample.cfg_scale:g}, "
                  f"{flops.train_flops_per_image(cfg) / 1e6:.1f} MFLOP per image")  # fmt: skip
