@@ -194,14 +194,14 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
         if on:
             raise ConfigError(f"latent.path is set: the pixel-space losses {on} do not apply; set them to 0")
     lo = cfg.loss
-    for term, path in (("lpips", lo.lpips_path), ("dino", lo.dino_path)):
-        if term == "dino" and lo.dino_target == "features":
-            continue
+    weighted = [("lpips", lo.lpips_path, "")]
+    if lo.dino_target == "dinov2":  # the 'features' target needs no weight file
+        weighted.append(("dino", lo.dino_path, ", or loss.dino_target='features' (the project's feature network)"))
+    for term, path, alternative in weighted:
         if lo[f"{term}_weight"] > 0 and not path:
             raise ConfigError(
                 f"loss.{term}_weight={lo[f'{term}_weight']} needs loss.{term}_path: convert the weights with "
-                f"scripts/convert_weights.py (see docs/perceptual.md)"
-                + (", or loss.dino_target='features' for the project's own feature network" if term == "dino" else "")
+                f"scripts/convert_weights.py (see docs/perceptual.md){alternative}"
             )
     if lo.repa_weight > 0:
         if lo.repa_target == "dinov2" and not lo.dino_path:
