@@ -245,7 +245,7 @@ def test_real_trainer_recovers_from_a_kill_on_warm_standbys_and_compiled_ahead(t
         assert run.wait(120) == 2, run.output()
     spawn = events(wd, "spawn")[-1]
     print(f"real trainer on the bed: kill -> training again {rec['time'] - t_kill:.2f} s; split {rec['split']}")
-    assert sorted(spawn["standby"]) == sorted(h for h in bed.hosts if h != victim)
+    assert sorted(spawn["standby"]) == sorted(h for h in bed.hosts if h != victim), spawn  # "cold" says why not
     assert [r["reason"] for r in events(wd, "stopped")] == ["preempt"] and len(events(wd, "failure")) == 1
     assert rec["split"]["spawn"] < 2 and rec["split"]["compile"] < 15  # no interpreter start, no XLA compile
     compiled = r"compiled the train step for \d+x\d+ images in ([\d.]+)s"

@@ -35,22 +35,33 @@ def test_pool_hands_out_ready_fresh_standbys_only():
     pool.ensure(["a", "b"])
     assert [(h, host) for h, _, host in started] == [("a", "a"), ("b", "b")]
     token_a = started[0][1]
-    assert pool.take("a") is None  # not ready: still importing
+    assert pool.take("a") == (None, "still importing")
     pool.beat(now[0], {"standby": token_a, "phase": "standby"})
     now[0] += standby.READY_WITHIN + 0.5
-    assert pool.take("a") is None  # ready, but silent too long (frozen, cut off)
+    assert pool.take("a")[0] is None  # ready, but silent too long (frozen, cut off)
+    silent = standby.READY_WITHIN + 0.3  # also when the channel was last read a little before the launch
+    assert pool.take("a", silent) == (None, f"silent for {silent:.1f} s")
     pool.beat(now[0], {"standby": token_a, "phase": "standby"})
-    s = pool.take("a")
-    assert s is not None and s.host == "a" and "a" not in pool.by_host
-    pool.by_host["b"].proc.code = 1  # b's standby died
-    pool.poll()
+    read_at = now[0] + 0.1  # the supervisor read that beat, then was busy (killing a group) until the launch
+    now[0] += standby.READY_WITHIN + 0.5
+    s, why = pool.take("a", read_at)
+    assert s is not None and why == "" and s.host == "a" and "a" not in pool.by_host
+    assert pool.take("a") == (None, "none started")
+    pool.beat(now[0], {"standby": pool.by_host["b"].token, "phase": "standby"})
+    pool.by_host["b"].proc.code = 1  # b's standby died after its beat
+    assert pool.take("b", now[0]) == (None, "exited") and "b" not in pool.by_host
     pool.ensure(["a", "b"])
     assert [h for h, _, _ in started] == ["a", "b"]  # both started less than RESTART_AFTER s ago: no restart loop
     now[0] += standby.RESTART_AFTER
     pool.ensure(["a", "b"])
     assert [h for h, _, _ in started] == ["a", "b", "a", "b"]
+    pool.by_host["b"].proc.code = 1  # the new b dies while waiting: poll forgets it
+    pool.poll()
+    assert sorted(pool.by_host) == ["a"]
+    pool.ensure(["a", "b"])
+    assert len(started) == 4
     procs = pool.close()
-    assert len(procs) == 2 and all(p.killed for p in procs)
+    assert len(procs) == 1 and all(p.killed for p in procs)
 
 
 CHILD = textwrap.dedent(

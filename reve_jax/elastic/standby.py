@@ -25,7 +25,11 @@ from reve_jax.elastic.channel import HeartbeatClient
 
 RESTART_AFTER = 10.0  # s before a host's standby is started again (one that dies at once must not spin)
 STANDBY_INTERVAL = 0.1  # s between a waiting standby's beats: bounds how long an assignment takes to arrive
-READY_WITHIN = 1.0  # s: a standby whose last beat is older is not handed a place (frozen, cut off, gone)
+# s: a standby silent for longer than this when the supervisor last read the channel is not handed a place (frozen,
+# cut off, gone). Measured from that read, not from the launch: a supervisor busy between the two (killing a group,
+# starting processes over ssh) must not make every standby look stale. 20 beat intervals, so that a standby starved
+# of CPU for a moment on a loaded host still counts.
+READY_WITHIN = 2.0
 
 
 def wait_for_assignment(env, secret: bytes) -> dict:
@@ -93,16 +97,21 @@ class StandbyPool:
         if s is not None:
             s.last_beat, s.ready = t, msg.get("phase") == "standby"
 
-    def take(self, host: str) -> Standby | None:
-        """Removes and returns `host`'s standby if it is ready and beat within READY_WITHIN s."""
+    def take(self, host: str, read_at: float | None = None) -> tuple[Standby | None, str]:
+        """Removes and returns `host`'s standby if it is ready and had beat within READY_WITHIN s when the channel
+        was last read (`read_at`, default now). Returns (the standby or None, why none: "" when one is returned)."""
         s = self.by_host.get(host)
-        if s is None or not s.ready or s.last_beat is None or self.clock() - s.last_beat > READY_WITHIN:
-            return None
-        if s.proc.poll() is not None:
-            self._drop(s)
-            return None
+        if s is None:
+            return None, "none started"
+        if not s.ready or s.last_beat is None:
+            return None, "still importing"
+        silent = (self.clock() if read_at is None else read_at) - s.last_beat
+        if silent > READY_WITHIN:
+            return None, f"silent for {silent:.1f} s"
         self._drop(s)
-        return s
+        if s.proc.poll() is not None:
+            return None, "exited"
+        return s, ""
 
     def ready(self, hosts: list[str]) -> bool:
         """Whether every one of `hosts` has a standby that has finished its imports."""

@@ -88,6 +88,7 @@ class Supervisor:
         if worker.precompile_argv and worker.devices_per_host:
             self.ahead = AheadCompiler(worker.precompile_argv, worker.env, worker.devices_per_host, log_dir)
         self.standbys = None
+        self._read_at: float | None = None  # when the channel was last read (a standby's silence is measured to it)
         self._standbys_logged = -1  # the group for which "every standby is ready" was recorded
         if worker.standby_imports:
             env = {**self._static_env(), "REVE_STANDBY_IMPORTS": worker.standby_imports}
@@ -121,7 +122,7 @@ class Supervisor:
                     if beat is not None:
                         self._note_pid(beat, msg)
                         events.append(beat)
-                now = self.clock()
+                now = self._read_at = self.clock()
                 for (attempt, host), proc in list(self.procs.items()):
                     code = proc.poll()
                     if code is not None:
@@ -240,7 +241,7 @@ class Supervisor:
     def _launch(self, a: P.Launch) -> None:
         self._fence(a.attempt)
         coordinator = self.backend.coordinator(a.hosts[0], a.attempt)
-        pids, warm = {}, []
+        pids, warm, cold = {}, [], {}
         for i, host in enumerate(a.hosts):
             env = {
                 **self._static_env(),
@@ -251,7 +252,9 @@ class Supervisor:
                 "REVE_ATTEMPT": str(a.attempt),
             }
             log_path = os.path.join(self.workdir, "logs", f"attempt{a.attempt}_{host}.log")
-            s = self.standbys.take(host) if self.standbys is not None else None
+            s = None
+            if self.standbys is not None:
+                s, cold[host] = self.standbys.take(host, self._read_at)
             if s is not None:  # a warm standby takes the place: no interpreter start, no imports
                 self.server.assign(s.token, {k: v for k, v in env.items() if k != auth.SECRET_ENV})
                 proc = s.proc
@@ -262,7 +265,10 @@ class Supervisor:
                 proc = self.backend.start(host, list(self.worker.argv), env, log_path)
             self.procs[(a.attempt, host)] = proc
             pids[host] = proc.pid
-        self.log.write("spawn", {"attempt": a.attempt, "coordinator": coordinator, "pids": pids, "standby": warm})
+        cold = {h: why for h, why in cold.items() if why}  # why a host got a fresh process instead of its standby
+        self.log.write(
+            "spawn", {"attempt": a.attempt, "coordinator": coordinator, "pids": pids, "standby": warm, "cold": cold}
+        )
         self._say(f"supervisor: group {a.attempt} on {len(a.hosts)} hosts {list(a.hosts)}, coordinator {coordinator}")
 
     def _probe(self, host: str) -> None:
