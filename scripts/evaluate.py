@@ -3,6 +3,10 @@ real-vs-real floor, the controls, held-out v-loss; writes a JSON and a PNG grid 
 (reve_jax/eval/scoring.py, docs/evaluation.md).
 
 python scripts/evaluate.py --workdir runs/tiny [--step N] [--n 512]
+
+With --denoise T,T,...: instead, what the model returns for held-out images noised at those times (t = 1 clean)
+against the noisy input itself and with another image's caption (reve_jax/eval/denoise.py): does it use its input
+or paint a template? Writes denoise_step_<N>.json and .png.
 """
 
 import argparse
@@ -20,14 +24,29 @@ def main(argv=None):
     parser.add_argument("--boot", type=int, default=1000, help="bootstrap resamples for the intervals")
     parser.add_argument("--cache-dir", default=None, help="feature net cache (default ~/.cache/reve_jax)")
     parser.add_argument("--dinov2", default=None, help="converted DINOv2 weights for fd_dinov2 (optional)")
+    parser.add_argument(
+        "--denoise", default=None, help="comma-separated times in [0, 1), e.g. 0.5,0.85,0.95,0.99: the denoising probe"
+    )
     args = parser.parse_args(argv)
     cli.setup_logging()
     from reve_jax.eval import scoring
 
+    if args.denoise is not None:
+        try:
+            times = tuple(float(t) for t in args.denoise.split(","))
+        except ValueError:
+            parser.error(f"--denoise {args.denoise!r}: give comma-separated numbers, e.g. 0.5,0.85,0.95,0.99")
+        _, json_path, png_path = scoring.denoise_checkpoint(
+            args.workdir, args.step, times, args.n or 64, args.seed, args.out
+        )
+        print(json_path)
+        print(png_path)
+        return
+
     _, json_path, png_path = scoring.score_checkpoint(
         args.workdir,
         args.step,
-        args.n,
+        args.n or 512,
         args.seed,
         args.out,
         n_boot=args.boot,

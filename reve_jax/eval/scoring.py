@@ -6,6 +6,9 @@ Outputs, under <workdir>/evaluation/ unless told otherwise:
   attribute with 95% bootstrap intervals, KID and its floor, the controls, v-loss), "feature_net" (its
   held-out per-object accuracy), "captions": [{"index", "caption", "checks": {attribute: [passed, total]}}]};
 - step_<N>.png: the first `grid` generated images with their captions, each caption's checks marked.
+
+With `denoise_checkpoint` (scripts/evaluate.py --denoise): denoise_step_<N>.json (the table of denoise.py, with
+"workdir", "step", "n", "seed", "times") and denoise_step_<N>.png (its grid, 4x enlarged).
 """
 
 from __future__ import annotations
@@ -14,10 +17,12 @@ import json
 import time
 from pathlib import Path
 
+import jax
 import numpy as np
+from PIL import Image
 
 from reve_jax import checkpoint, config, sharding, train_state, viz
-from reve_jax.eval import alignment, quality
+from reve_jax.eval import alignment, denoise, quality
 
 
 def restore_ema(workdir: str | Path, step: int | None = None):
@@ -86,6 +91,31 @@ def score_checkpoint(
     k = min(grid, n)
     viz.save_checked_grid(png_path, images[:k], captions[:k], [{a: tuple(r[a]) for a in r} for r in rows[:k]])
     log(summary_line(metrics))
+    return result, json_path, png_path
+
+
+def denoise_checkpoint(
+    workdir: str | Path,
+    step: int | None,
+    times,
+    n: int = 64,
+    seed: int = 0,
+    out_dir: str | Path | None = None,
+    log=print,
+) -> tuple[dict, Path, Path]:
+    """Runs the denoising probe (denoise.py) on checkpoint `step` (default: the newest) of `workdir`; writes its
+    JSON and grid, logs its table. Returns (the JSON's content, its path, the PNG's path)."""
+    cfg, graphdef, ema, step, mesh = restore_ema(workdir, step)
+    with jax.set_mesh(mesh):
+        table, grid = denoise.probe(cfg, graphdef, ema, times, n, seed)
+    result = {"workdir": str(workdir), "step": step, "n": n, "seed": seed, "times": list(times), **table}
+    out = Path(out_dir) if out_dir else Path(workdir) / "evaluation"
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, png_path = out / f"denoise_step_{step}.json", out / f"denoise_step_{step}.png"
+    json_path.write_text(json.dumps(result, indent=1))
+    Image.fromarray(viz.to_uint8(grid)).resize((grid.shape[1] * 4, grid.shape[0] * 4), Image.NEAREST).save(png_path)
+    log(f"step {step} of {workdir}, {n} held-out images (rows of the grid: clean, then noisy input and x_hat per t)")
+    log(denoise.format_table(table, times))
     return result, json_path, png_path
 
 

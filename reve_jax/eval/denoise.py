@@ -1,0 +1,108 @@
+"""What a model does with an input that is almost clean: its prediction x_hat for held-out images noised at fixed
+times t (t = 1 is clean), against returning the input itself, and with each image given another image's caption.
+
+A denoiser that has learned the data returns the clean image where z = t x + (1 - t) noise is nearly x, so near
+t = 1 its x-MSE falls towards the input's own, (1 - t)^2 E[(noise - x)^2], and it hardly depends on the caption. A
+model that paints a caption-conditioned template ignores z: its x-MSE is the same at every t, above the input's
+near t = 1, and with the wrong caption it paints the wrong image (docs/tiny.md: the tiny run's objects, a cross
+given almost clean at t = 0.99 comes back as a round blob).
+
+`probe(cfg, graphdef, params, times, n, seed)` returns, per time t, the mean x-MSE over the held-out images of
+the model (`denoise_mse_t<t>`), of the input z (`denoise_input_mse_t<t>`) and of the model with the captions
+rolled by one image (`denoise_swapped_mse_t<t>`), and the images for a grid. Pixel-space runs only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from reve_jax import diffusion, latent
+from reve_jax.eval import vloss
+
+DEFAULT_TIMES = (0.5, 0.7, 0.85, 0.95, 0.99)
+
+
+def mse_per_time(apply: Callable, images, text, noise, times, dcfg) -> dict[str, jax.Array]:
+    """x-MSE per time, each f32 [T]: "model", "input" (x_hat = z) and "swapped" (the captions rolled by one).
+
+    apply(z [B,S,S,3], t [B], text) -> the network output (per `dcfg.prediction`); images f32 [B,S,S,3]; text a
+    dict of [B, ...] arrays; noise [T,B,S,S,3] already scaled; times [T]."""
+    swapped = jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), text)
+
+    def one(noise_t, t):
+        tb = jnp.full((images.shape[0],), t, jnp.float32)
+        z = diffusion.interpolate(images, noise_t, tb)
+
+        def x_hat(txt):
+            return diffusion.to_x_v(apply(z, tb, txt), z, tb, dcfg.prediction, dcfg.t_eps)[0]
+
+        def mse(a):
+            return jnp.mean(jnp.square(a - images))
+
+        return mse(x_hat(text)), mse(z), mse(x_hat(swapped))
+
+    model, inp, swap = jax.lax.map(lambda a: one(*a), (noise, times))
+    return {"model": model, "input": inp, "swapped": swap}
+
+
+def probe(
+    cfg, graphdef, params, times: Sequence[float] = DEFAULT_TIMES, n: int = 64, seed: int = 0, grid: int = 8
+) -> tuple[dict[str, float], np.ndarray]:
+    """The table of the module docstring for `params` of the model `graphdef` of `cfg`, on the last `n` held-out
+    samples with noise from `seed`, and a grid f32 [(2 + 2 T) S, grid S, 3] in [-1, 1]: the first `grid` clean
+    images, then per t the noisy input and x_hat, then x_hat at the last t with the rolled captions."""
+    if latent.enabled(cfg):
+        raise ValueError(
+            f"the denoising probe works in pixel space; this run diffuses the latents of {cfg.latent.path} "
+            "(latent.path): score it with scripts/evaluate.py without --denoise"
+        )
+    if any(not 0.0 <= t < 1.0 for t in times):
+        raise ValueError(f"--denoise times {tuple(times)} must lie in [0, 1) (t = 1 is the clean image)")
+    batch = vloss.heldout_batch(cfg, n)
+    images = batch["image"]
+    text = {k: batch[k] for k in ("tokens", "text_emb", "text_mask") if k in batch}
+    noise, ts = vloss.fixed_inputs(images.shape, times, cfg.diffusion.noise_scale, seed)
+    dcfg = cfg.diffusion
+
+    @jax.jit
+    def run(params):
+        model = nnx.merge(graphdef, params)
+
+        def apply(z, t, txt):
+            return model(z, t, txt, drop=jnp.zeros((z.shape[0],), bool))[0]
+
+        table = mse_per_time(apply, images, text, noise, ts, dcfg)
+        k = min(grid, images.shape[0])
+        img, txt = images[:k], jax.tree.map(lambda a: a[:k], text)
+        rows = [img]
+        for i in range(len(times)):
+            tb = jnp.full((k,), ts[i])
+            z = diffusion.interpolate(img, noise[i, :k], tb)
+            rows += [z, diffusion.to_x_v(apply(z, tb, txt), z, tb, dcfg.prediction, dcfg.t_eps)[0]]
+        rolled = jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), text)  # the same roll as the table's
+        tb = jnp.full((images.shape[0],), ts[-1])
+        z = diffusion.interpolate(images, noise[-1], tb)
+        rows.append(diffusion.to_x_v(apply(z, tb, rolled), z, tb, dcfg.prediction, dcfg.t_eps)[0][:k])
+        return table, jnp.stack(rows)
+
+    table, rows = jax.device_get(run(params))
+    out = {}
+    for key, name in (("model", "denoise_mse"), ("input", "denoise_input_mse"), ("swapped", "denoise_swapped_mse")):
+        out.update({f"{name}_t{t:g}": float(v) for t, v in zip(times, np.asarray(table[key]), strict=True)})
+    r, k, s = rows.shape[0], rows.shape[1], rows.shape[2]
+    grid_img = np.clip(np.asarray(rows), -1.0, 1.0).transpose(0, 2, 1, 3, 4).reshape(r * s, k * s, 3)
+    return out, grid_img
+
+
+def format_table(result: dict[str, float], times: Sequence[float]) -> str:
+    """The probe's numbers as a text table, a row per time."""
+    lines = ["     t   model x-MSE   input x-MSE   model, another caption"]
+    for t in times:
+        m, i, w = (result[f"{name}_t{t:g}"] for name in ("denoise_mse", "denoise_input_mse", "denoise_swapped_mse"))
+        lines.append(f"{t:6.2f}   {m:11.5f}   {i:11.5f}   {w:11.5f}")
+    return "\n".join(lines)
