@@ -18,7 +18,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", required=True, help="a run directory with checkpoints/")
     parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
-    parser.add_argument("--n", type=int, default=512, help="held-out captions to score (512 for final numbers)")
+    parser.add_argument(
+        "--n",
+        type=int,
+        default=None,
+        help="held-out captions to score (default 512, the final numbers; 64 with --denoise)",
+    )
     parser.add_argument("--seed", type=int, default=4321, help="sampling noise seed")
     parser.add_argument("--out", default=None, help="output directory (default <workdir>/evaluation)")
     parser.add_argument("--boot", type=int, default=1000, help="bootstrap resamples for the intervals")
