@@ -70,7 +70,7 @@ def probe(
     dcfg = cfg.diffusion
 
     @jax.jit
-    def run(params):
+    def run(params, images, text, noise, ts):
         model = nnx.merge(graphdef, params)
 
         def apply(z, t, txt):
@@ -90,7 +90,7 @@ def probe(
         rows.append(diffusion.to_x_v(apply(z, tb, rolled), z, tb, dcfg.prediction, dcfg.t_eps)[0][:k])
         return table, jnp.stack(rows)
 
-    table, rows = jax.device_get(run(params))
+    table, rows = jax.device_get(run(params, images, text, noise, ts))
     out = {}
     for key, name in (("model", "denoise_mse"), ("input", "denoise_input_mse"), ("swapped", "denoise_swapped_mse")):
         out.update({f"{name}_t{t:g}": float(v) for t, v in zip(times, np.asarray(table[key]), strict=True)})
