@@ -252,9 +252,9 @@ class Supervisor:
                 "REVE_ATTEMPT": str(a.attempt),
             }
             log_path = os.path.join(self.workdir, "logs", f"attempt{a.attempt}_{host}.log")
-            s = None
-            if self.standbys is not None:
-                s, cold[host] = self.standbys.take(host, self._read_at)
+            s, why = self.standbys.take(host, self._read_at) if self.standbys is not None else (None, "")
+            if why:
+                cold[host] = why  # why the host gets a fresh process instead of its standby
             if s is not None:  # a warm standby takes the place: no interpreter start, no imports
                 self.server.assign(s.token, {k: v for k, v in env.items() if k != auth.SECRET_ENV})
                 proc = s.proc
@@ -265,7 +265,6 @@ class Supervisor:
                 proc = self.backend.start(host, list(self.worker.argv), env, log_path)
             self.procs[(a.attempt, host)] = proc
             pids[host] = proc.pid
-        cold = {h: why for h, why in cold.items() if why}  # why a host got a fresh process instead of its standby
         self.log.write(
             "spawn", {"attempt": a.attempt, "coordinator": coordinator, "pids": pids, "standby": warm, "cold": cold}
         )

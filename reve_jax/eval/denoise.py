@@ -27,24 +27,30 @@ from reve_jax.eval import vloss
 DEFAULT_TIMES = (0.5, 0.7, 0.85, 0.95, 0.99)
 
 
+def denoised(apply: Callable, images, text, noise_t, t, dcfg) -> tuple[jax.Array, jax.Array]:
+    """(z, x_hat) for `images` noised with `noise_t` at the scalar time `t`: the input and the model's answer."""
+    tb = jnp.full((images.shape[0],), t, jnp.float32)
+    z = diffusion.interpolate(images, noise_t, tb)
+    return z, diffusion.to_x_v(apply(z, tb, text), z, tb, dcfg.prediction, dcfg.t_eps)[0]
+
+
+def rolled(text: dict) -> dict:
+    """Each image's caption replaced by the previous image's (the first gets the last's)."""
+    return jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), text)
+
+
 def mse_per_time(apply: Callable, images, text, noise, times, dcfg) -> dict[str, jax.Array]:
     """x-MSE per time, each f32 [T]: "model", "input" (x_hat = z) and "swapped" (the captions rolled by one).
 
     apply(z [B,S,S,3], t [B], text) -> the network output (per `dcfg.prediction`); images f32 [B,S,S,3]; text a
     dict of [B, ...] arrays; noise [T,B,S,S,3] already scaled; times [T]."""
-    swapped = jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), text)
+
+    def mse(a):
+        return jnp.mean(jnp.square(a - images))
 
     def one(noise_t, t):
-        tb = jnp.full((images.shape[0],), t, jnp.float32)
-        z = diffusion.interpolate(images, noise_t, tb)
-
-        def x_hat(txt):
-            return diffusion.to_x_v(apply(z, tb, txt), z, tb, dcfg.prediction, dcfg.t_eps)[0]
-
-        def mse(a):
-            return jnp.mean(jnp.square(a - images))
-
-        return mse(x_hat(text)), mse(z), mse(x_hat(swapped))
+        z, x_hat = denoised(apply, images, text, noise_t, t, dcfg)
+        return mse(x_hat), mse(z), mse(denoised(apply, images, rolled(text), noise_t, t, dcfg)[1])
 
     model, inp, swap = jax.lax.map(lambda a: one(*a), (noise, times))
     return {"model": model, "input": inp, "swapped": swap}
@@ -78,16 +84,13 @@ def probe(
 
         table = mse_per_time(apply, images, text, noise, ts, dcfg)
         k = min(grid, images.shape[0])
-        img, txt = images[:k], jax.tree.map(lambda a: a[:k], text)
+        img = images[:k]
+        first = jax.tree.map(lambda a: a[:k], text)
         rows = [img]
         for i in range(len(times)):
-            tb = jnp.full((k,), ts[i])
-            z = diffusion.interpolate(img, noise[i, :k], tb)
-            rows += [z, diffusion.to_x_v(apply(z, tb, txt), z, tb, dcfg.prediction, dcfg.t_eps)[0]]
-        rolled = jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), text)  # the same roll as the table's
-        tb = jnp.full((images.shape[0],), ts[-1])
-        z = diffusion.interpolate(images, noise[-1], tb)
-        rows.append(diffusion.to_x_v(apply(z, tb, rolled), z, tb, dcfg.prediction, dcfg.t_eps)[0][:k])
+            rows += denoised(apply, img, first, noise[i, :k], ts[i], dcfg)
+        other = jax.tree.map(lambda a: a[:k], rolled(text))  # the table's roll: image 0 gets image n-1's caption
+        rows.append(denoised(apply, img, other, noise[-1, :k], ts[-1], dcfg)[1])
         return table, jnp.stack(rows)
 
     table, rows = jax.device_get(run(params, images, text, noise, ts))
