@@ -71,3 +71,19 @@ def test_probe_on_a_model_writes_its_table_and_grid():
     cfg.latent.path = "ae.npz"  # a latent-space run: its x_hat is a latent, not an image
     with pytest.raises(ValueError, match="pixel space.*ae.npz"):
         denoise.probe(cfg, graphdef, params, TIMES, n=4)
+
+
+def test_the_reader_columns_score_the_answers_against_their_captions():
+    cfg = tiny_config()
+    cfg.data.max_objects = 1
+    batch = vloss.heldout_batch(cfg, 16)
+    clean, other = batch["image"], np.roll(batch["image"], 1, axis=0)  # right images; each another caption's
+    got = denoise.read_per_time(cfg, batch["index"], np.stack([clean, other]), (0.0, 0.5))
+    assert got["denoise_align_overall_t0"] == 1.0 and got["denoise_align_shape_t0"] == 1.0
+    assert got["denoise_align_overall_t0.5"] < 0.6  # the reader sees the wrong objects, not just any object
+    table = {
+        **got,
+        **{f"{k}_t{t:g}": 0.0 for k in ("denoise_mse", "denoise_input_mse", "denoise_swapped_mse") for t in (0.0, 0.5)},
+    }
+    lines = denoise.format_table(table, (0.0, 0.5)).splitlines()
+    assert "shape" in lines[0] and lines[1].split()[-1] == "1.00"

@@ -9,7 +9,11 @@ given almost clean at t = 0.99 comes back as a round blob).
 
 `probe(cfg, graphdef, params, times, n, seed)` returns, per time t, the mean x-MSE over the held-out images of
 the model (`denoise_mse_t<t>`), of the input z (`denoise_input_mse_t<t>`) and of the model with the captions
-rolled by one image (`denoise_swapped_mse_t<t>`), and the images for a grid. Pixel-space runs only.
+rolled by one image (`denoise_swapped_mse_t<t>`), and the images for a grid. Pixel-space runs only. On the
+procedural dataset it also reads each x_hat with the caption reader (eval/alignment.py):
+`denoise_align_<attribute>_t<t>` says what the one-step answer draws at that time. At t = 0 the input is pure noise
+and x_hat is what the caption alone makes the model draw: an attribute read at chance there is one the model does
+not take from the caption.
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ import numpy as np
 from flax import nnx
 
 from reve_jax import diffusion, latent
-from reve_jax.eval import vloss
+from reve_jax.data import pipeline
+from reve_jax.eval import alignment, vloss
 
 DEFAULT_TIMES = (0.5, 0.7, 0.85, 0.95, 0.99)
+_READ = ("position", "color", "shape", "size", "overall")  # the reader's columns of the table
 
 
 def denoised(apply: Callable, images, text, noise_t, t, dcfg) -> tuple[jax.Array, jax.Array]:
@@ -40,7 +46,8 @@ def rolled(text: dict) -> dict:
 
 
 def mse_per_time(apply: Callable, images, text, noise, times, dcfg) -> dict[str, jax.Array]:
-    """x-MSE per time, each f32 [T]: "model", "input" (x_hat = z) and "swapped" (the captions rolled by one).
+    """x-MSE per time, each f32 [T]: "model", "input" (x_hat = z) and "swapped" (the captions rolled by one); and
+    the answers themselves, "x_hat" f32 [T, B, S, S, 3].
 
     apply(z [B,S,S,3], t [B], text) -> the network output (per `dcfg.prediction`); images f32 [B,S,S,3]; text a
     dict of [B, ...] arrays; noise [T,B,S,S,3] already scaled; times [T]."""
@@ -50,10 +57,10 @@ def mse_per_time(apply: Callable, images, text, noise, times, dcfg) -> dict[str,
 
     def one(noise_t, t):
         z, x_hat = denoised(apply, images, text, noise_t, t, dcfg)
-        return mse(x_hat), mse(z), mse(denoised(apply, images, rolled(text), noise_t, t, dcfg)[1])
+        return mse(x_hat), mse(z), mse(denoised(apply, images, rolled(text), noise_t, t, dcfg)[1]), x_hat
 
-    model, inp, swap = jax.lax.map(lambda a: one(*a), (noise, times))
-    return {"model": model, "input": inp, "swapped": swap}
+    model, inp, swap, x_hat = jax.lax.map(lambda a: one(*a), (noise, times))
+    return {"model": model, "input": inp, "swapped": swap, "x_hat": x_hat}
 
 
 def probe(
@@ -97,15 +104,34 @@ def probe(
     out = {}
     for key, name in (("model", "denoise_mse"), ("input", "denoise_input_mse"), ("swapped", "denoise_swapped_mse")):
         out.update({f"{name}_t{t:g}": float(v) for t, v in zip(times, np.asarray(table[key]), strict=True)})
+    if cfg.data.name == "synthetic":
+        out.update(read_per_time(cfg, batch["index"], np.asarray(table["x_hat"]), times))
     r, k, s = rows.shape[0], rows.shape[1], rows.shape[2]
     grid_img = np.clip(np.asarray(rows), -1.0, 1.0).transpose(0, 2, 1, 3, 4).reshape(r * s, k * s, 3)
     return out, grid_img
 
 
+def read_per_time(cfg, index, x_hat: np.ndarray, times: Sequence[float]) -> dict[str, float]:
+    """The caption reader's scores of the answers x_hat [T, B, S, S, 3] (in [-1, 1]) to the procedural dataset's
+    samples `index` [B] at each time: {"denoise_align_<attribute>_t<t>": fraction correct}."""
+    ds = pipeline.dataset_from_config(cfg.data)
+    scenes = [ds.scene(int(i)) for i in index]
+    out = {}
+    for t, answers in zip(times, x_hat, strict=True):
+        read = alignment.summarize(alignment.check_batch(alignment.read_batch(answers), scenes))
+        out.update({f"denoise_{k}_t{t:g}": v for k, v in read.items()})
+    return out
+
+
 def format_table(result: dict[str, float], times: Sequence[float]) -> str:
-    """The probe's numbers as a text table, a row per time."""
-    lines = ["     t   model x-MSE   input x-MSE   model, another caption"]
+    """The probe's numbers as a text table, a row per time; with the reader's columns where it read x_hat."""
+    read = bool(times) and f"denoise_align_overall_t{times[0]:g}" in result
+    head = f"{'t':>6s} {'model x-MSE':>12s} {'input x-MSE':>12s} {'other caption':>14s}"
+    lines = [head + ("  | x_hat read: " + " ".join(f"{a:>8s}" for a in _READ) if read else "")]
     for t in times:
         m, i, w = (result[f"{name}_t{t:g}"] for name in ("denoise_mse", "denoise_input_mse", "denoise_swapped_mse"))
-        lines.append(f"{t:6.2f}   {m:11.5f}   {i:11.5f}   {w:11.5f}")
+        line = f"{t:6.2f} {m:12.5f} {i:12.5f} {w:14.5f}"
+        if read:
+            line += "  |" + " " * 12 + " ".join(f"{result[f'denoise_align_{a}_t{t:g}']:8.2f}" for a in _READ)
+        lines.append(line)
     return "\n".join(lines)
