@@ -1,4 +1,4 @@
-"""The CPU default: a small DiT on 32 px one-object synthetic scenes, trained with the recipe in about 9 minutes
+"""The CPU default: a small DiT on 32 px one-object synthetic scenes, trained with the recipe in about 9.5 minutes
 on 2 cores.
 
 python scripts/train.py --config configs/tiny.py --workdir runs/tiny
@@ -38,7 +38,7 @@ def get_config():
     c.data.render = "fixed"
     c.diffusion.t_mean = -0.4
     c.optim.name = "muon"
-    c.optim.lr = 1e-3  # the AdamW group (embeddings, norms, the patch and output layers); at 2e-3 objects vanished
+    c.optim.lr = 1e-3  # the AdamW group (embeddings, norms, patch and output layers); both at 2e-3: objects vanished
     c.optim.muon_lr = 2e-3  # the hidden 2D weights: shape is learned last, and only while this is high
     c.optim.schedule = "constant"  # a cosine to 0 stops the run before shape (0.28-0.30; docs/tiny.md)
     c.optim.warmup_steps = 50

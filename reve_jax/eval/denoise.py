@@ -2,10 +2,12 @@
 times t (t = 1 is clean), against returning the input itself, and with each image given another image's caption.
 
 A denoiser that has learned the data returns the clean image where z = t x + (1 - t) noise is nearly x, so near
-t = 1 its x-MSE falls towards the input's own, (1 - t)^2 E[(noise - x)^2], and it hardly depends on the caption. A
-model that paints a caption-conditioned template ignores z: its x-MSE is the same at every t, above the input's
-near t = 1, and with the wrong caption it paints the wrong image (docs/tiny.md: the tiny run's objects, a cross
-given almost clean at t = 0.99 comes back as a round blob).
+t = 1 its x-MSE falls towards the input's own, (1 - t)^2 E[(noise - x)^2]. A model that paints a caption-conditioned
+template ignores z: its x-MSE is the same at every t, and with the wrong caption it paints the wrong image. Where a
+caption fixes its image (the procedural dataset's `fixed` rendering) the template is the ideal answer and its
+x-MSE can go to 0 at every t; then the x-MSE and the reader's columns below, not the caption swap, tell a finished
+template from an unfinished one (docs/tiny.md: the old tiny default's template had no shape yet, x-MSE 0.0022 at
+every t and shape read at chance from the caption alone; a run whose rate stayed high to step 4,000 learned it).
 
 `probe(cfg, graphdef, params, times, n, seed)` returns, per time t, the mean x-MSE over the held-out images of
 the model (`denoise_mse_t<t>`), of the input z (`denoise_input_mse_t<t>`) and of the model with the captions
