@@ -94,10 +94,9 @@ def probe(
         table = mse_per_time(apply, images, text, noise, ts, dcfg)
         k = min(grid, images.shape[0])
         img = images[:k]
-        first = jax.tree.map(lambda a: a[:k], text)
         rows = [img]
-        for i in range(len(times)):
-            rows += denoised(apply, img, first, noise[i, :k], ts[i], dcfg)
+        for i in range(len(times)):  # the input and the table's answer for the first k images
+            rows += [diffusion.interpolate(img, noise[i, :k], jnp.full((k,), ts[i])), table["x_hat"][i, :k]]
         other = jax.tree.map(lambda a: a[:k], rolled(text))  # the table's roll: image 0 gets image n-1's caption
         rows.append(denoised(apply, img, other, noise[-1, :k], ts[-1], dcfg)[1])
         return table, jnp.stack(rows)
@@ -120,8 +119,7 @@ def read_per_time(cfg, index, x_hat: np.ndarray, times: Sequence[float]) -> dict
     scenes = [ds.scene(int(i)) for i in index]
     out = {}
     for t, answers in zip(times, x_hat, strict=True):
-        read = alignment.summarize(alignment.check_batch(alignment.read_batch(answers), scenes))
-        out.update({f"denoise_{k}_t{t:g}": v for k, v in read.items()})
+        out.update({f"denoise_{k}_t{t:g}": v for k, v in alignment.score(answers, scenes).items()})
     return out
 
 
