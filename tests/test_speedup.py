@@ -91,7 +91,8 @@ def test_report_gate_table_and_plot(tmp_path):
 
 def test_rescore_recomputes_alignment_from_saved_images(tmp_path):
     """A finished benchmark's alignment is recomputed from the images it saved: the dataset's own images score 1,
-    uniform noise scores little; other metrics stay; results.json and the report are rewritten."""
+    uniform noise scores little; the FLOP cost is recounted; other metrics stay; results.json and the report are
+    rewritten."""
     size = dataclasses.replace(_size("cpu"), seeds=(0,), steps=200, evals=2)
     cfg = speedup.build_config(size, "pixel_p8", 0)
     ds = pipeline.dataset_from_config(cfg.data)
@@ -112,7 +113,9 @@ def test_rescore_recomputes_alignment_from_saved_images(tmp_path):
     b, r = out["runs"][0]["curve"][-1], out["runs"][1]["curve"][-1]
     assert b["align_overall"] == 1.0 and b["align_exact"] == 1.0
     assert r["align_overall"] < 0.2 and r["align_background"] <= alignment.CHANCE["background"] + 0.1
-    assert b["kid"] == runs[0]["curve"][-1]["kid"]  # only the alignment is recomputed
+    assert b["kid"] == runs[0]["curve"][-1]["kid"]  # the other metrics stay
+    step_flops = speedup.executed_step_flops(cfg)  # the FLOP cost is recounted
+    assert [p["flops"] for p in out["runs"][0]["curve"]] == [100 * step_flops, 200 * step_flops]
     assert "no speedup measurable" in (tmp_path / "speedup.md").read_text()  # the baseline gained nothing
     with pytest.raises(FileNotFoundError, match="results.json"):
         speedup.rescore(tmp_path / "missing")
@@ -153,6 +156,43 @@ def test_a_benchmark_run_is_a_resumable_trainer_run(tmp_path):
     evals = sum(p["eval_s"] for p in straight["curve"])
     assert straight["curve"][-1]["wall_s"] < elapsed - evals - straight["compile_s"]
     assert straight["diverged"] is None and straight["step_flops"] > 0
+
+
+def _newton_schulz_flops(shape, steps):
+    """Per orthogonalisation of a (rows, cols) matrix with m = min, n = max: X X^T (2 m^2 n), its square (2 m^3)
+    and the product with X (2 m^2 n) at every iteration."""
+    m, n = sorted(shape[-2:])
+    return steps * (4 * m * m * n + 2 * m**3)
+
+
+def test_executed_flops_count_the_step_beyond_the_models_matmuls():
+    """The benchmark's FLOP cost is XLA's count of the whole step. For a plain AdamW DiT it is the model's matmuls
+    (the analytic count) plus some elementwise work; switching the hidden weights to Muon adds what its
+    Newton-Schulz iterations cost per step, counted here by hand from the shapes Muon takes, which the analytic
+    model count (the same for both) does not see."""
+    from reve_jax import builder, flops
+
+    tiny = ("model.width=32", "model.depth=3", "model.heads=2", "text.width=32", "data.image_size=16", "model.patch=4",
+            "train.global_batch=8", "data.worker_threads=0")  # fmt: skip
+    size = _size("cpu")
+    adamw_cfg = speedup.build_config(size, "pixel", 0, tiny)
+    muon_cfg = speedup.build_config(size, "pixel", 0, (*tiny, "optim.name='muon'"))
+    model = flops.train_flops_per_image(adamw_cfg) * 8
+    assert flops.train_flops_per_image(muon_cfg) * 8 == model
+    adamw = speedup.executed_step_flops(adamw_cfg)
+    assert model < adamw < 1.25 * model, (adamw, model)
+    setup = builder.build(muon_cfg).setup
+    shapes = [
+        p.shape
+        for p, label in zip(jax.tree.leaves(setup.abstract_state["params"]), jax.tree.leaves(setup.param_labels))
+        if label == "muon"
+    ]
+    assert shapes, "the test needs weights that Muon takes"
+    ns = sum(_newton_schulz_flops(s, muon_cfg.optim.muon_ns_steps) for s in shapes)
+    added = speedup.executed_step_flops(muon_cfg) - adamw
+    assert 0.95 * ns < added < 1.1 * ns, (added, ns)
+    rec = speedup.count_flops({"curve": [{"step": 2}, {"step": 6}]}, adamw)
+    assert [p["flops"] for p in rec["curve"]] == [2 * adamw, 6 * adamw] and rec["step_flops"] == adamw
 
 
 def test_sweep_extends_the_grid_until_the_winner_is_inside_then_picks_the_guidance(tmp_path, monkeypatch):

@@ -134,14 +134,39 @@ def with_autoencoder(cfg, size: Protocol, cache_dir: Path, log: Callable[[str], 
     return cfg, info
 
 
+def executed_step_flops(cfg) -> float:
+    """FLOPs of one train step of `cfg` as XLA counts them in the lowered step: every operation it executes, the
+    model's and the optimizer's (Muon's Newton-Schulz iterations) and the frozen networks' (baseline A's encoder,
+    REPA's target network). The benchmark's FLOP cost is this count, not `flops.train_flops_per_image` (the model's
+    matmuls, the convention of MFU), which misses whatever a method adds beside the model: at the CPU size the PRX
+    variant executes 330 MFLOP per image where its model's matmuls count 164 (docs/speedup.md)."""
+    from reve_jax import builder
+
+    cost = builder.build(cfg).lower().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    if not cost or not cost.get("flops"):
+        raise RuntimeError(f"XLA gives no FLOP count for the train step of {cfg.name} on {jax.default_backend()}")
+    return float(cost["flops"])
+
+
+def count_flops(rec: dict, step_flops: float) -> dict:
+    """`rec` (a run record) with its FLOP cost at `step_flops` per step: every evaluation's cumulative "flops" is
+    its step times that (a benchmark run trains one image shape, so every step costs the same)."""
+    for point in rec["curve"]:
+        point["flops"] = point["step"] * step_flops
+    rec["step_flops"] = step_flops
+    return rec
+
+
 def train_run(cfg, workdir: str | Path, eval_every: int, n_eval: int, eval_seed: int, evaluator_kwargs=None,
               on_eval=None, n_final: int | None = None) -> dict:  # fmt: skip
     """Trains `cfg` in `workdir` with the trainer (resuming what a killed benchmark left there), evaluating the EMA
     weights every `eval_every` steps and at the end (eval/hook.py; the last evaluation also on `n_final` captions).
 
     Returns a JSON-able record: {"curve": [{"step", "samples", "flops", "wall_s", "cpu_s", <metrics>}, ...],
-    "compile_s", "step_flops", "diverged" (step or None)}. wall_s and cpu_s are training time only (cumulative),
-    measured with the step's outputs ready."""
+    "compile_s", "step_flops" (executed, `executed_step_flops`), "model_step_flops" (the model's matmuls),
+    "diverged" (step or None)}. wall_s and cpu_s are training time only (cumulative), measured with the step's
+    outputs ready."""
     from reve_jax import trainer
 
     ev = hook.EvalHook(workdir, eval_every, n_eval, eval_seed, evaluator_kwargs, on_eval, n_final=n_final)
@@ -155,12 +180,13 @@ def train_run(cfg, workdir: str | Path, eval_every: int, n_eval: int, eval_seed:
     curve = [p for p in points if not p.get("diverged")]
     if diverged is None:
         diverged = next((p["step"] for p in points if p.get("diverged")), None)
-    return {
+    record = {
         "curve": curve,
         "compile_s": compile_s,
-        "step_flops": flops.train_flops_per_image(cfg) * cfg.train.global_batch,
+        "model_step_flops": flops.train_flops_per_image(cfg) * cfg.train.global_batch,
         "diverged": diverged,
     }
+    return count_flops(record, executed_step_flops(cfg))
 
 
 def _run_key(size: Protocol, method: str, seed: int, extra, lr: float | None = None) -> str:
@@ -332,9 +358,10 @@ def guidance_scores(workdir: Path, size: Protocol) -> dict[str, float]:
 
 def rescore(out_dir: str | Path, log: Callable[[str], None] = print) -> dict:
     """Recomputes the caption alignment of every run of a finished benchmark in `out_dir` from the images its
-    evaluations saved (`runs/<key>.npz`), with the current `alignment` reader, then rewrites the run records,
-    results.json and the report: a change to the reader needs no retraining. Other metrics are kept. Images were
-    saved as uint8, so scores can differ from those computed during training by a pixel's rounding."""
+    evaluations saved (`runs/<key>.npz`), with the current `alignment` reader, and its FLOP cost with the current
+    count (`executed_step_flops`), then rewrites the run records, results.json and the report: a change to the
+    reader or the count needs no retraining. Other metrics are kept. Images were saved as uint8, so scores can
+    differ from those computed during training by a pixel's rounding."""
     out = Path(out_dir)
     path = out / "results.json"
     if not path.exists():
@@ -346,13 +373,17 @@ def rescore(out_dir: str | Path, log: Callable[[str], None] = print) -> dict:
         npz = out / "runs" / f"{key}.npz"
         if not npz.exists():
             raise FileNotFoundError(f"{npz} not found: run {key} kept no images, so it cannot be rescored")
-        ds = pipeline.dataset_from_config(config_lib.from_json(rec["config"]).data)
+        cfg = config_lib.from_json(rec["config"])
+        rec.setdefault("model_step_flops", flops.train_flops_per_image(cfg) * cfg.train.global_batch)
+        count_flops(rec, executed_step_flops(cfg))
+        ds = pipeline.dataset_from_config(cfg.data)
         with np.load(npz) as saved:
             scenes = [ds.scene(int(i)) for i in saved["index"]]
             for point in rec["curve"]:
                 point.update(alignment.score(saved[f"step_{point['step']}"], scenes))
         (out / "runs" / f"{key}.json").write_text(json.dumps(rec))
-        log(f"[{key}] rescored: final align {rec['curve'][-1][PRIMARY]:.3f}")
+        log(f"[{key}] rescored: final align {rec['curve'][-1][PRIMARY]:.3f}, {rec['step_flops'] / 1e9:.1f} GFLOP "
+            f"per step (the model's matmuls {rec['model_step_flops'] / 1e9:.1f})")  # fmt: skip
     results["summary"] = summarize(size, results["runs"])
     results["note"] = f"{results.get('note', '')}; alignment rescored from saved images".lstrip("; ")
     write_outputs(results, out)
