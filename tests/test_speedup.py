@@ -182,9 +182,10 @@ def test_executed_flops_count_the_step_beyond_the_models_matmuls():
     adamw = speedup.executed_step_flops(adamw_cfg)
     assert model < adamw < 1.25 * model, (adamw, model)
     setup = builder.build(muon_cfg).setup
+    params = setup.abstract_state["params"]
     shapes = [
         p.shape
-        for p, label in zip(jax.tree.leaves(setup.abstract_state["params"]), jax.tree.leaves(setup.param_labels))
+        for p, label in zip(jax.tree.leaves(params), jax.tree.leaves(setup.param_labels), strict=True)
         if label == "muon"
     ]
     assert shapes, "the test needs weights that Muon takes"
