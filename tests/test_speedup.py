@@ -62,6 +62,13 @@ def test_methods_differ_only_in_their_techniques_and_every_size_builds():
     assert (recipe.optim.lr, recipe.sample.cfg_scale) != (lat.optim.lr, lat.sample.cfg_scale)
     prx = speedup.build_config(size, "prx", 0)
     assert prx.model.route.enabled and prx.optim.name == "muon"
+    # Optimizer rates come from the size's FROZEN entry or the sweep, never from the experiment config the size
+    # starts from (tiny.py tunes Muon's rate for its own job): Muon takes `lr` unless the entry freezes its own.
+    from configs.speedup import cpu
+
+    assert prx.optim.muon_lr == cpu.FROZEN["prx"]["muon_lr"]
+    assert lat.optim.muon_lr == recipe.optim.muon_lr == 0.0
+    assert speedup.build_config(size, "jit+muon", 0).optim.muon_lr == 0.0
     for name in SIZES:  # every method of every size is a valid config
         s = _size(name)
         for method in (s.baseline, *s.methods, *s.further):

@@ -130,8 +130,10 @@ def techniques_of(method: str) -> tuple[str, ...]:
 def method_config(size: str, model: tuple[str, ...], train: tuple[str, ...], method: str, frozen: dict | None = None):
     """A benchmark run's config: the `size` experiment config with the `model` overrides (model and data size), made
     the baseline, the method's techniques switched on, then the `train` overrides (budget, batch, schedule), then
-    the method's entry of `frozen` ({"lr", "cfg_scale"}: what the size's sweep chose). A leave-one-out ablation
-    (`recipe-<t>`) without an entry of its own takes the recipe's: it changes one technique and nothing else."""
+    the method's entry of `frozen` ({"lr", "cfg_scale"}: what the size's sweep chose; "muon_lr": Muon's own rate,
+    else Muon takes "lr"). A leave-one-out ablation (`recipe-<t>`) without an entry of its own takes the recipe's: it
+    changes one technique and nothing else. The optimizer's rates never come from the `size` experiment config: its
+    tuning (tiny's Muon rate) is for its own job, and a method must not inherit a rate its sweep did not choose."""
     c = sized(size)
     for item in model:
         apply_override(c, item)
@@ -143,6 +145,7 @@ def method_config(size: str, model: tuple[str, ...], train: tuple[str, ...], met
         apply_override(c, item)
     frozen = frozen or {}
     chosen = frozen.get(method) or (frozen.get("recipe", {}) if method.startswith("recipe-") else {})
+    c.optim.muon_lr = float(chosen.get("muon_lr", 0.0))
     if "lr" in chosen:
         c.optim.lr = float(chosen["lr"])
     if "cfg_scale" in chosen:
