@@ -385,6 +385,6 @@ def rescore(out_dir: str | Path, log: Callable[[str], None] = print) -> dict:
         log(f"[{key}] rescored: final align {rec['curve'][-1][PRIMARY]:.3f}, {rec['step_flops'] / 1e9:.1f} GFLOP "
             f"per step (the model's matmuls {rec['model_step_flops'] / 1e9:.1f})")  # fmt: skip
     results["summary"] = summarize(size, results["runs"])
-    results["note"] = f"{results.get('note', '')}; alignment rescored from saved images".lstrip("; ")
+    results["note"] = f"{results.get('note', '')}; alignment rescored from saved images, FLOPs recounted".lstrip("; ")
     write_outputs(results, out)
     return results
