@@ -5,6 +5,7 @@ steps, samples, FLOPs, wall clock and CPU seconds to reach the baseline's final 
     python scripts/bench_speedup.py --size cpu --out runs/speedup_cpu --methods further   # baseline B, PRX, ablations
     python scripts/bench_speedup.py --size cpu --out runs/ablation_cpu --baseline recipe --methods ablations
     python scripts/bench_speedup.py --size cpu --out runs/sweep_cpu --sweep --methods latent,recipe   # LRs, guidance
+    python scripts/bench_speedup.py --size cpu --out runs/sweep_cpu --sweep --methods prx --rate muon_lr   # Muon's rate
     python scripts/bench_speedup.py --size gpu --out runs/speedup_gpu                 # sized for ~8 minutes on one H200
     python scripts/bench_speedup.py --size gpu --quick --out runs/gpu_chk             # the gpu size's code path, shrunk
     python scripts/bench_speedup.py --rescore --out runs/speedup_cpu                  # alignment again from the images
@@ -41,14 +42,15 @@ def dry_run(size, methods, extra: tuple[str, ...], args) -> None:
     split, and exit 0."""
     if args.dinov2 and not Path(args.dinov2).is_file():
         raise SystemExit(f"error: input not found: {args.dinov2}")
-    for method in dict.fromkeys((size.baseline, *methods)):
+    for method in dict.fromkeys(methods if args.sweep else (size.baseline, *methods)):
         try:
-            cfg = speedup.build_config(size, method, size.seeds[0], extra)
+            lr = size.sweep_lrs[0] if args.sweep else None
+            cfg = speedup.build_config(size, method, size.seeds[0], extra, lr, args.rate)
         except (config.ConfigError, ValueError) as e:
             raise SystemExit(f"config error ({method}): {e}") from None
         mesh = cli.check_mesh_or_exit(cfg)
     what = (
-        f"sweep the LRs {list(size.sweep_lrs)} and guidance scales {list(size.cfg_scales)} of {', '.join(methods)}"
+        f"sweep {args.rate} {list(size.sweep_lrs)} and guidance {list(size.cfg_scales)} of {', '.join(methods)}"
         if args.sweep
         else f"train {size.baseline} and {', '.join(methods)} on seeds {list(size.seeds)}"
     )
@@ -62,6 +64,13 @@ def main(argv=None):
     p.add_argument("--out", help="output directory (default runs/speedup_<size>)")
     p.add_argument("--methods", help="comma-separated methods, 'further' or 'ablations' (default: the headline's)")
     p.add_argument("--sweep", action="store_true", help="the LR grid and guidance scales of --methods on one seed")
+    p.add_argument(
+        "--rate",
+        default="lr",
+        choices=speedup.RATES,
+        help="the rate the sweep varies: lr (the main group's) or muon_lr (Muon's, lr kept frozen)",
+    )
+    p.add_argument("--grid", help="comma-separated rates the sweep starts from (default: the size's sweep_lrs)")
     p.add_argument("--baseline", help="time the methods against this one (default: the size's baseline)")
     p.add_argument("--seeds", help="comma-separated seeds (default: the size's)")
     p.add_argument("--steps", type=int, help="training steps per run (default: the size's)")
@@ -95,6 +104,7 @@ def main(argv=None):
         "evals": args.evals,
         "n_eval": args.n_eval,
         "baseline": args.baseline,
+        "sweep_lrs": tuple(float(x) for x in args.grid.split(",")) if args.grid else None,
     }
     size = dataclasses.replace(size, **{k: v for k, v in changes.items() if v is not None})
     methods = None
@@ -110,8 +120,8 @@ def main(argv=None):
     kwargs = dict(extra=tuple(extra), cache_dir=args.cache, log=lambda s: print(s, flush=True))
     kwargs["evaluator_kwargs"] = {"dinov2_path": args.dinov2} if args.dinov2 else None
     if args.sweep:
-        result = speedup.sweep(size, out, methods or (size.baseline, *size.methods), **kwargs)
-        print("freeze in the size file: FROZEN = " + repr({m: {"lr": r["lr"], "cfg_scale": r["cfg_scale"]}
+        result = speedup.sweep(size, out, methods or (size.baseline, *size.methods), rate=args.rate, **kwargs)
+        print("freeze in the size file: FROZEN = " + repr({m: {args.rate: r[args.rate], "cfg_scale": r["cfg_scale"]}
                                                           for m, r in result.items()}))  # fmt: skip
         return
     speedup.run_benchmark(size, out, methods=methods, **kwargs)

@@ -76,6 +76,16 @@ def test_methods_differ_only_in_their_techniques_and_every_size_builds():
             assert cfg.train.steps == s.steps and cfg.optim.schedule == "cosine", (name, method)
     with pytest.raises(ValueError, match="no technique"):
         speedup.build_config(size, "recipe-muon", 0)
+    # the PRX variant's leave-one-out ablations: one technique off, PRX's frozen rates and guidance kept
+    no_tread, no_muon = (speedup.build_config(size, m, 0) for m in ("prx-tread", "prx-muon"))
+    assert not no_tread.model.route.enabled and no_tread.optim.name == "muon"
+    assert no_muon.model.route.enabled and no_muon.optim.name == "adamw"
+    for cfg in (no_tread, no_muon):
+        assert (cfg.optim.lr, cfg.optim.muon_lr, cfg.sample.cfg_scale) == (
+            prx.optim.lr, prx.optim.muon_lr, prx.sample.cfg_scale)  # fmt: skip
+        assert cfg.model.arch == "ddt" and cfg.loss.repa_weight > 0
+    with pytest.raises(ValueError, match="no technique"):
+        speedup.build_config(size, "prx-latent", 0)
     assert jax.device_count() == 8  # conftest's emulated devices: the configs build without touching them
 
 
@@ -209,8 +219,8 @@ def test_sweep_extends_the_grid_until_the_winner_is_inside_then_picks_the_guidan
     size = dataclasses.replace(_size("cpu"), sweep_lrs=(1e-3, 2e-3, 4e-3), cfg_scales=(1.5, 2.0, 3.0))
     trained = []
 
-    def fake_run(self, method, seed, lr=None, *, evals=None):
-        trained.append((method, seed, lr, evals))
+    def fake_run(self, method, seed, lr=None, *, evals=None, rate="lr"):
+        trained.append((method, seed, lr, evals, rate))
         return {"curve": [{"align_overall": 1.0 - abs(np.log2(lr / 1.6e-2)) / 10}]}
 
     monkeypatch.setattr(speedup.Runner, "run", fake_run)
@@ -224,6 +234,11 @@ def test_sweep_extends_the_grid_until_the_winner_is_inside_then_picks_the_guidan
     assert result["latent"]["cfg_scale"] == 2.0 and isinstance(result["latent"]["cfg_scale"], float)
     assert json.loads((tmp_path / "sweep.json").read_text())["latent"]["cfg_scale"] == 2.0
     assert "inside" in logs[-1] and "guidance 2" in logs[-1]
+    # Muon's rate swept apart: the runs vary it, and its result joins sweep.json beside the main rate's
+    trained.clear()
+    result = speedup.sweep(size, tmp_path, ["prx"], max_extend=3, rate="muon_lr", log=logs.append)
+    assert {t[4] for t in trained} == {"muon_lr"} and result["prx"]["muon_lr"] == 1.6e-2
+    assert set(json.loads((tmp_path / "sweep.json").read_text())) == {"latent", "prx@muon_lr"}
 
 
 def test_a_finished_run_is_reused_across_added_config_keys():

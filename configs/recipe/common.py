@@ -110,16 +110,26 @@ METHODS = {
 }
 
 
+ABLATED = ("recipe", "prx")  # methods with leave-one-out ablations: <method>-<technique>
+
+
+def ablated(method: str) -> str | None:
+    """The method a leave-one-out ablation `<method>-<t>` starts from ('recipe-ddt' -> 'recipe'), else None."""
+    base = method.split("-", 1)[0]
+    return base if base in ABLATED and method != base else None
+
+
 def techniques_of(method: str) -> tuple[str, ...]:
-    """A method's techniques: a METHODS name; `recipe-<t>` (the recipe without technique t: a leave-one-out
-    ablation); or techniques joined by + on the plain DiT ('tread+muon')."""
+    """A method's techniques: a METHODS name; `recipe-<t>` or `prx-<t>` (the recipe or the PRX variant without
+    technique t: a leave-one-out ablation); or techniques joined by + on the plain DiT ('tread+muon')."""
     if method in METHODS:
         return METHODS[method]
-    if method.startswith("recipe-"):
-        left_out = method.removeprefix("recipe-")
-        if left_out not in JIT_DDT:
-            raise ValueError(f"{method}: the recipe has no technique {left_out!r} to leave out ({JIT_DDT})")
-        return tuple(t for t in JIT_DDT if t != left_out)
+    base = ablated(method)
+    if base:
+        left_out = method.removeprefix(f"{base}-")
+        if left_out not in METHODS[base]:
+            raise ValueError(f"{method}: {base} has no technique {left_out!r} to leave out ({METHODS[base]})")
+        return tuple(t for t in METHODS[base] if t != left_out)
     techniques = tuple(method.split("+"))
     unknown = [t for t in techniques if t not in TECHNIQUES]
     if unknown:
@@ -131,9 +141,10 @@ def method_config(size: str, model: tuple[str, ...], train: tuple[str, ...], met
     """A benchmark run's config: the `size` experiment config with the `model` overrides (model and data size), made
     the baseline, the method's techniques switched on, then the `train` overrides (budget, batch, schedule), then
     the method's entry of `frozen` ({"lr", "cfg_scale"}: what the size's sweep chose; "muon_lr": Muon's own rate,
-    else Muon takes "lr"). A leave-one-out ablation (`recipe-<t>`) without an entry of its own takes the recipe's: it
-    changes one technique and nothing else. The optimizer's rates never come from the `size` experiment config: its
-    tuning (tiny's Muon rate) is for its own job, and a method must not inherit a rate its sweep did not choose."""
+    else Muon takes "lr"). A leave-one-out ablation (`recipe-<t>`, `prx-<t>`) without an entry of its own takes its
+    method's: it changes one technique and nothing else. The optimizer's rates never come from the `size`
+    experiment config: its tuning (tiny's Muon rate) is for its own job, and a method must not inherit a rate its
+    sweep did not choose."""
     c = sized(size)
     for item in model:
         apply_override(c, item)
@@ -144,7 +155,7 @@ def method_config(size: str, model: tuple[str, ...], train: tuple[str, ...], met
     for item in train:
         apply_override(c, item)
     frozen = frozen or {}
-    chosen = frozen.get(method) or (frozen.get("recipe", {}) if method.startswith("recipe-") else {})
+    chosen = frozen.get(method) or frozen.get(ablated(method), {})
     c.optim.muon_lr = float(chosen.get("muon_lr", 0.0))
     if "lr" in chosen:
         c.optim.lr = float(chosen["lr"])

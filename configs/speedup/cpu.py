@@ -9,7 +9,8 @@ denoises the 16x16x8 latents of an autoencoder in 2x2 patches (64 tokens of 32 v
     python scripts/bench_speedup.py --size cpu --out runs/sweep_cpu --sweep --methods latent,recipe
     python scripts/train.py --config configs/speedup/cpu.py:recipe --workdir runs/cpu_recipe   # one of its runs
 
-`get_config(method)`: a method of configs/recipe/common.py (latent, pixel, pixel_p8, recipe, prx, recipe-<t>).
+`get_config(method)`: a method of configs/recipe/common.py (latent, pixel, pixel_p8, recipe, prx, recipe-<t>,
+prx-<t>).
 FROZEN holds the LR and guidance scale per method that the sweep chose (docs/speedup.md has its table).
 """
 
@@ -23,7 +24,17 @@ PROTOCOL = Protocol(
     seeds=(0, 1, 2),
     baseline="latent",
     methods=("recipe",),
-    further=("pixel", "prx", "pixel_p8", "recipe-jit", "recipe-bottleneck", "recipe-ddt", "recipe-repa"),
+    further=(
+        "pixel",
+        "prx",
+        "pixel_p8",
+        "recipe-jit",
+        "recipe-bottleneck",
+        "recipe-ddt",
+        "recipe-repa",
+        "prx-tread",
+        "prx-muon",
+    ),  # fmt: skip
     cfg_scales=(1.0, 1.5, 2.0, 3.0),  # 1 = no guidance; from 3 up objects start to vanish at 32 px (docs/tiny.md)
 )
 FROZEN = {  # the sweep of 2026-12-01 (runs/sweep_cpu2; docs/speedup.md has its table)

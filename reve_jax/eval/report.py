@@ -22,8 +22,9 @@ COST_NAMES = {"step": "steps", "samples": "samples", "flops": "TFLOP", "wall_s":
 def label(method: str) -> str:
     if method in LABELS:
         return LABELS[method]
-    if method.startswith("recipe-"):
-        return f"recipe without {method.removeprefix('recipe-')}"
+    for base, name in (("recipe-", "recipe"), ("prx-", "PRX")):
+        if method.startswith(base):
+            return f"{name} without {method.removeprefix(base)}"
     return method
 
 

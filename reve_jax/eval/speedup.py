@@ -96,14 +96,24 @@ def machine() -> dict:
     }
 
 
-def build_config(size: Protocol, method: str, seed: int, extra: tuple[str, ...] = (), lr: float | None = None):
+RATES = ("lr", "muon_lr")  # the optimizer rates a sweep can vary: the main (AdamW) group's, Muon's group's
+
+
+def build_config(size: Protocol, method: str, seed: int, extra: tuple[str, ...] = (), lr: float | None = None,
+                 rate: str = "lr"):  # fmt: skip
     """The config of one run: the size file's config for `method` (its model, data, frozen LR and guidance), then
     the protocol's budget and checkpoint cadence (a checkpoint at every evaluation), the seed (model and data),
-    `lr` when given (the sweep), and `extra` overrides."""
+    `lr` when given (the sweep) as the optimizer's `rate` (one of RATES; the other keeps its frozen value), and
+    `extra` overrides."""
+    if rate not in RATES:
+        raise ValueError(f"unknown rate {rate!r}: a sweep varies one of {RATES}")
     items = [f"train.steps={size.steps}", f"train.ckpt_every={size.eval_every}", f"seed={seed}", f"data.seed={seed}"]
     if lr is not None:
-        items.append(f"optim.lr={lr!r}")
-    return config_lib.load_config(f"{size.config}:{method}", [*items, *extra])
+        items.append(f"optim.{rate}={lr!r}")
+    cfg = config_lib.load_config(f"{size.config}:{method}", [*items, *extra])
+    if lr is not None and rate == "muon_lr" and cfg.optim.name != "muon":
+        raise ValueError(f"{method} trains with {cfg.optim.name}, not Muon: sweep its rate with --rate lr")
+    return cfg
 
 
 def same_config(saved: str | None, cfg) -> bool:
@@ -189,9 +199,9 @@ def train_run(cfg, workdir: str | Path, eval_every: int, n_eval: int, eval_seed:
     return count_flops(record, executed_step_flops(cfg))
 
 
-def _run_key(size: Protocol, method: str, seed: int, extra, lr: float | None = None) -> str:
+def _run_key(size: Protocol, method: str, seed: int, extra, lr: float | None = None, rate: str = "lr") -> str:
     tag = hashlib.sha256("\n".join(extra).encode()).hexdigest()[:8] if extra else ""
-    lr_tag = f"-lr{lr:g}" if lr is not None else ""
+    lr_tag = f"-{rate.replace('_', '')}{lr:g}" if lr is not None else ""
     return f"{size.name}-{method}{lr_tag}-s{seed}" + (f"-{tag}" if tag else "")
 
 
@@ -205,11 +215,13 @@ class Runner:
         self.autoencoders: dict[str, dict] = {}
         (self.out / "runs").mkdir(parents=True, exist_ok=True)
 
-    def run(self, method: str, seed: int, lr: float | None = None, *, evals: int | None = None) -> dict:
+    def run(self, method: str, seed: int, lr: float | None = None, *, evals: int | None = None,
+            rate: str = "lr") -> dict:  # fmt: skip
         size = self.size if evals is None else dataclasses.replace(self.size, evals=evals)
-        key = _run_key(size, method, seed, self.extra, lr) + ("" if evals is None else f"-e{evals}")
+        key = _run_key(size, method, seed, self.extra, lr, rate) + ("" if evals is None else f"-e{evals}")
         path = self.out / "runs" / f"{key}.json"
-        cfg, ae = with_autoencoder(build_config(size, method, seed, self.extra, lr), size, self.cache_dir, self.log)
+        cfg = build_config(size, method, seed, self.extra, lr, rate)
+        cfg, ae = with_autoencoder(cfg, size, self.cache_dir, self.log)
         if ae is not None:
             self.autoencoders[cfg.latent.path] = ae
         if path.exists():
@@ -220,7 +232,8 @@ class Runner:
         workdir = self.out / "runs" / key
         if (workdir / "config.json").exists() and not same_config((workdir / "config.json").read_text(), cfg):
             raise RuntimeError(f"{workdir} holds a run of another config: move it away or use another --out")
-        self.log(f"[{key}] {size.steps} steps, lr {cfg.optim.lr:g}, cfg {cfg.sample.cfg_scale:g}, "
+        muon = f", muon lr {cfg.optim.muon_lr or cfg.optim.lr:g}" if cfg.optim.name == "muon" else ""
+        self.log(f"[{key}] {size.steps} steps, lr {cfg.optim.lr:g}{muon}, cfg {cfg.sample.cfg_scale:g}, "
                  f"{flops.train_flops_per_image(cfg) / 1e6:.1f} MFLOP per image")  # fmt: skip
 
         def on_eval(p):
@@ -240,8 +253,8 @@ class Runner:
         record["machine_end"] = machine()
         _pack_images(workdir, self.out / "runs" / f"{key}.npz", size, cfg)
         gc.collect()  # the input pipeline's reader threads of the finished run must not compete with the next
-        record.update(method=method, seed=seed, lr=cfg.optim.lr, cfg_scale=cfg.sample.cfg_scale,
-                      config=config_lib.to_json(cfg))  # fmt: skip
+        record.update(method=method, seed=seed, lr=cfg.optim.lr, muon_lr=cfg.optim.muon_lr,
+                      cfg_scale=cfg.sample.cfg_scale, config=config_lib.to_json(cfg))  # fmt: skip
         path.write_text(json.dumps(record))
         return record
 
@@ -306,10 +319,12 @@ def run_benchmark(size: Protocol, out_dir, *, methods=None, extra=(), cache_dir=
 
 
 def sweep(size: Protocol, out_dir, methods, *, extra=(), cache_dir=None, evaluator_kwargs=None, max_extend: int = 2,
-          log: Callable[[str], None] = print) -> dict:  # fmt: skip
+          rate: str = "lr", log: Callable[[str], None] = print) -> dict:  # fmt: skip
     """For each method, on the first seed: the LR grid (each run evaluated at the end only), extended by factors of
     2 while the best LR sits at an edge (at most `max_extend` times), then the guidance scales on the winner's final
-    EMA weights. Writes <out>/sweep.json and returns {method: {"lr", "cfg_scale", "grid": {lr: align}, ...}}."""
+    EMA weights. `rate` is the optimizer rate the grid varies (RATES: "muon_lr" sweeps Muon's group with the main
+    group at its frozen rate). Writes <out>/sweep.json ({method: ...}, or {method@muon_lr: ...}) and returns
+    {method: {rate: best, "cfg_scale", "grid": {lr: align}, ...}}."""
     out = Path(out_dir)
     runner = Runner(size, out, extra, cache_dir, evaluator_kwargs, log)
     seed = size.seeds[0]
@@ -320,7 +335,7 @@ def sweep(size: Protocol, out_dir, methods, *, extra=(), cache_dir=None, evaluat
         for _ in range(max_extend + 1):
             for lr in grid:
                 if lr not in scores:
-                    rec = runner.run(method, seed, lr, evals=1)
+                    rec = runner.run(method, seed, lr, evals=1, rate=rate)
                     scores[lr] = rec["curve"][-1][PRIMARY] if rec["curve"] else float("-inf")
             best = max(scores, key=scores.get)
             lrs = sorted(scores)
@@ -331,13 +346,17 @@ def sweep(size: Protocol, out_dir, methods, *, extra=(), cache_dir=None, evaluat
             else:
                 break
         inside = lrs[0] < best < lrs[-1]
-        key = _run_key(size, method, seed, extra, best) + "-e1"
+        key = _run_key(size, method, seed, extra, best, rate) + "-e1"
         scales = guidance_scores(out / "runs" / key, size)
-        result[method] = {"lr": best, "inside_grid": inside, "grid": {f"{k:g}": v for k, v in sorted(scores.items())},
+        grid = {f"{k:g}": v for k, v in sorted(scores.items())}
+        result[method] = {rate: best, "inside_grid": inside, "grid": grid, "seed": seed,
                           "cfg_scale": float(max(scales, key=scales.get)), "cfg_scores": scales}  # fmt: skip
-        log(f"sweep {method}: lr {best:g} ({'inside' if inside else 'AT THE EDGE of'} the grid {result[method]['grid']}"
-            f"), guidance {result[method]['cfg_scale']:g} ({scales})")  # fmt: skip
-        (out / "sweep.json").write_text(json.dumps(result, indent=1))
+        log(f"sweep {method}: {rate} {best:g} ({'inside' if inside else 'AT THE EDGE of'} the grid "
+            f"{result[method]['grid']}), guidance {result[method]['cfg_scale']:g} ({scales})")  # fmt: skip
+        path = out / "sweep.json"
+        saved = json.loads(path.read_text()) if path.exists() else {}
+        saved.update({(m if rate == "lr" else f"{m}@{rate}"): r for m, r in result.items()})
+        path.write_text(json.dumps(saved, indent=1))
     return result
 
 
