@@ -47,6 +47,16 @@ def check_batch_split(cfg, mesh) -> None:
         )
 
 
+def lowered_flops(lowered) -> float:
+    """FLOPs of a lowered step as XLA counts them over the whole (unpartitioned) program: every operation it
+    executes, the model's and the optimizer's (Muon's Newton-Schulz iterations) and the frozen networks' (an
+    autoencoder's encoder, REPA's target network); nan where the backend gives no count. `flops_per_step` counts
+    only the model's matmuls, the convention of MFU."""
+    cost = lowered.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost["flops"]) if cost and cost.get("flops") else float("nan")
+
+
 @dataclasses.dataclass
 class Compiled:
     """One AOT-compiled train step for one image shape."""
@@ -55,7 +65,8 @@ class Compiled:
     executable: object  # jax.stages.Compiled: executable(state, batch, frozen) -> (state, metrics)
     seconds: float  # trace, lower and compile
     lower_seconds: float  # the trace-and-lower part
-    flops_per_step: float  # analytic training FLOPs of one global batch
+    flops_per_step: float  # analytic training FLOPs of one global batch (the model's matmuls: MFU's convention)
+    executed_flops: float = float("nan")  # XLA's count of the whole lowered step (`lowered_flops`)
 
     def memory(self) -> dict[str, int]:
         """XLA's memory analysis in bytes (argument, output, alias, temp, generated_code) and `estimate` =
@@ -139,6 +150,7 @@ class Run:
                 time.perf_counter() - t0,
                 t_lower,
                 flops.train_flops_per_image(self.cfg, hw) * self.cfg.train.global_batch,
+                lowered_flops(lowered),
             )
             self.compiled[hw] = c
             mem = c.memory()

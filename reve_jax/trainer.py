@@ -244,6 +244,7 @@ def run(cfg, workdir: str | Path, worker=None, *, fresh: bool = False, extra_hoo
         "start_step": start_step,
         "compiled_shapes": sorted(run_.compiled),
         "compile_s": run_.compile_seconds,
+        "step_flops_executed": {f"{h}x{w}": c.executed_flops for (h, w), c in sorted(run_.compiled.items())},
         "train_wall_s": clock.wall_s,
         "train_cpu_s": clock.cpu_s,
         "peak_tflops_source": peak_source,

@@ -173,6 +173,8 @@ def test_a_benchmark_run_is_a_resumable_trainer_run(tmp_path):
     evals = sum(p["eval_s"] for p in straight["curve"])
     assert straight["curve"][-1]["wall_s"] < elapsed - evals - straight["compile_s"]
     assert straight["diverged"] is None and straight["step_flops"] > 0
+    # the FLOP cost is the trainer's own count of its compiled step, the one a rescore recounts from the config
+    assert straight["step_flops"] == split["step_flops"] == speedup.executed_step_flops(cfg)
 
 
 def _newton_schulz_flops(shape, steps):

@@ -27,6 +27,7 @@ import dataclasses
 import gc
 import hashlib
 import json
+import math
 import os
 import platform
 import time
@@ -152,11 +153,10 @@ def executed_step_flops(cfg) -> float:
     variant executes 330 MFLOP per image where its model's matmuls count 164 (docs/speedup.md)."""
     from reve_jax import builder
 
-    cost = builder.build(cfg).lower().cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
-    if not cost or not cost.get("flops"):
+    count = builder.lowered_flops(builder.build(cfg).lower())
+    if not math.isfinite(count):
         raise RuntimeError(f"XLA gives no FLOP count for the train step of {cfg.name} on {jax.default_backend()}")
-    return float(cost["flops"])
+    return count
 
 
 def count_flops(rec: dict, step_flops: float) -> dict:
@@ -180,10 +180,12 @@ def train_run(cfg, workdir: str | Path, eval_every: int, n_eval: int, eval_seed:
     from reve_jax import trainer
 
     ev = hook.EvalHook(workdir, eval_every, n_eval, eval_seed, evaluator_kwargs, on_eval, n_final=n_final)
-    diverged = None
+    diverged, step_flops = None, float("nan")
     try:
         summary = trainer.run(cfg, workdir, extra_hooks=[ev])
         compile_s = summary["compile_s"]
+        counts = list(summary["step_flops_executed"].values())
+        step_flops = counts[0] if len(counts) == 1 else step_flops  # the trainer's own count of the one shape
     except trainer.NonFiniteError as e:
         diverged, compile_s = e.step, None
     points = hook.read_points(Path(workdir) / "eval.jsonl")
@@ -196,7 +198,7 @@ def train_run(cfg, workdir: str | Path, eval_every: int, n_eval: int, eval_seed:
         "model_step_flops": flops.train_flops_per_image(cfg) * cfg.train.global_batch,
         "diverged": diverged,
     }
-    return count_flops(record, executed_step_flops(cfg))
+    return count_flops(record, step_flops if math.isfinite(step_flops) else executed_step_flops(cfg))
 
 
 def _run_key(size: Protocol, method: str, seed: int, extra, lr: float | None = None, rate: str = "lr") -> str:
