@@ -257,3 +257,13 @@ def test_a_finished_run_is_reused_across_added_config_keys():
     saved["loss"]["dino_target"] = "features"  # a value other than the one ADDED_KEYS says old runs had
     assert not speedup.same_config(json.dumps(saved, sort_keys=True), cfg)
     assert not speedup.same_config(None, cfg)
+    # Muon's settings do not count for a run that trains with AdamW; for a Muon run they do
+    saved = json.loads(config_lib.to_json(cfg))
+    saved["optim"]["muon_lr"] = 0.123
+    assert cfg.optim.name == "adamw" and speedup.same_config(json.dumps(saved), cfg)
+    saved["optim"]["lr"] = 0.123
+    assert not speedup.same_config(json.dumps(saved), cfg)
+    prx = speedup.build_config(_size("cpu"), "prx", 0)
+    saved = json.loads(config_lib.to_json(prx))
+    saved["optim"]["muon_lr"] = 0.123
+    assert prx.optim.name == "muon" and not speedup.same_config(json.dumps(saved), prx)

@@ -117,10 +117,22 @@ def build_config(size: Protocol, method: str, seed: int, extra: tuple[str, ...] 
     return cfg
 
 
+def _read_keys(cfg_json: str) -> dict:
+    """A config's JSON as a dict without the keys the run never read: Muon's settings (optim.muon_*) when the
+    optimizer is not Muon."""
+    d = json.loads(cfg_json)
+    if d["optim"]["name"] != "muon":
+        d["optim"] = {k: v for k, v in d["optim"].items() if not k.startswith("muon_")}
+    return d
+
+
 def same_config(saved: str | None, cfg) -> bool:
     """Whether a finished run's saved config (JSON) is `cfg`'s; keys added to the config since it ran are read at
-    the value it ran under (config.ADDED_KEYS), so a new option does not invalidate finished runs."""
-    return saved is not None and config_lib.to_json(config_lib.from_json(saved)) == config_lib.to_json(cfg)
+    the value it ran under (config.ADDED_KEYS), so a new option does not invalidate finished runs, and keys the run
+    never read do not count (`_read_keys`: an AdamW run does not depend on Muon's rate)."""
+    if saved is None:
+        return False
+    return _read_keys(config_lib.to_json(config_lib.from_json(saved))) == _read_keys(config_lib.to_json(cfg))
 
 
 def with_autoencoder(cfg, size: Protocol, cache_dir: Path, log: Callable[[str], None] = print):
