@@ -40,10 +40,10 @@ PROTOCOL = Protocol(
 FROZEN = {  # the sweep of 2026-12-01 (runs/sweep_cpu2; docs/speedup.md has its table)
     "latent": {"lr": 8e-3, "cfg_scale": 3.0},
     "recipe": {"lr": 1e-3, "cfg_scale": 1.5},
-    # the sweep of 2026-12-02 (runs/sweep_cpu3) swept the AdamW group: 5e-4 0.764, 1e-3 0.819, 2e-3 0.788, 4e-3
-    # 0.398 at guidance 2; guidance 1 / 1.5 / 2 / 3: 0.862 / 0.865 / 0.819 / 0.448. Muon's group ran at 2e-3, the
-    # tiny config's rate (docs/tiny.md), which the size's base config passed on: not swept at this size. Tied to
-    # lr (1e-3 for both) seed 0 ended at 0.839 against 0.865 (runs/sweep_cpu3, one run).
+    # the sweeps of 2026-12-02, one rate at a time: the AdamW group's with Muon's at 2e-3 (runs/sweep_cpu3: 5e-4
+    # 0.764, 1e-3 0.819, 2e-3 0.788, 4e-3 0.398 at guidance 2; guidance 1 / 1.5 / 2 / 3: 0.862 / 0.865 / 0.819 /
+    # 0.448), then Muon's with the AdamW group's at 1e-3 (runs/sweep_cpu4, `--rate muon_lr`: 1e-3 0.839, 2e-3
+    # 0.865, 4e-3 0.857 at guidance 1.5).
     "prx": {"lr": 1e-3, "muon_lr": 2e-3, "cfg_scale": 1.5},
 }
 
