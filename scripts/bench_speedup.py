@@ -50,7 +50,8 @@ def dry_run(size, methods, extra: tuple[str, ...], args) -> None:
             raise SystemExit(f"config error ({method}): {e}") from None
         mesh = cli.check_mesh_or_exit(cfg)
     what = (
-        f"sweep {args.rate} {list(size.sweep_lrs)} and guidance {list(size.cfg_scales)} of {', '.join(methods)}"
+        f"sweep {args.rate} {list(size.sweep_lrs)} and guidance {list(size.cfg_scales)} of {', '.join(methods)} on "
+        f"seeds {list(size.seeds if args.seeds else size.seeds[:1])}"
         if args.sweep
         else f"train {size.baseline} and {', '.join(methods)} on seeds {list(size.seeds)}"
     )
@@ -63,7 +64,11 @@ def main(argv=None):
     p.add_argument("--size", default="cpu", help="a size name (configs/speedup/<size>.py) or a size file")
     p.add_argument("--out", help="output directory (default runs/speedup_<size>)")
     p.add_argument("--methods", help="comma-separated methods, 'further' or 'ablations' (default: the headline's)")
-    p.add_argument("--sweep", action="store_true", help="the LR grid and guidance scales of --methods on one seed")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="the LR grid and guidance scales of --methods (scored on the mean over --seeds, default one)",
+    )
     p.add_argument(
         "--rate",
         default="lr",
@@ -72,7 +77,7 @@ def main(argv=None):
     )
     p.add_argument("--grid", help="comma-separated rates the sweep starts from (default: the size's sweep_lrs)")
     p.add_argument("--baseline", help="time the methods against this one (default: the size's baseline)")
-    p.add_argument("--seeds", help="comma-separated seeds (default: the size's)")
+    p.add_argument("--seeds", help="comma-separated seeds (default: the size's; the sweep's: the size's first)")
     p.add_argument("--steps", type=int, help="training steps per run (default: the size's)")
     p.add_argument("--evals", type=int, help="evaluations per run (default: the size's)")
     p.add_argument("--n-eval", type=int, help="held-out captions per evaluation (default: the size's)")
@@ -120,7 +125,9 @@ def main(argv=None):
     kwargs = dict(extra=tuple(extra), cache_dir=args.cache, log=lambda s: print(s, flush=True))
     kwargs["evaluator_kwargs"] = {"dinov2_path": args.dinov2} if args.dinov2 else None
     if args.sweep:
-        result = speedup.sweep(size, out, methods or (size.baseline, *size.methods), rate=args.rate, **kwargs)
+        seeds = size.seeds if args.seeds else None  # the sweep's seeds: those given, else the size's first
+        result = speedup.sweep(size, out, methods or (size.baseline, *size.methods), rate=args.rate, seeds=seeds,
+                               **kwargs)  # fmt: skip
         print("freeze in the size file: FROZEN = " + repr({m: {args.rate: r[args.rate], "cfg_scale": r["cfg_scale"]}
                                                           for m, r in result.items()}))  # fmt: skip
         return

@@ -243,6 +243,34 @@ def test_sweep_extends_the_grid_until_the_winner_is_inside_then_picks_the_guidan
     assert set(json.loads((tmp_path / "sweep.json").read_text())) == {"latent", "prx@muon_lr"}
 
 
+def test_a_sweep_over_two_seeds_scores_each_rate_by_its_mean(tmp_path, monkeypatch):
+    """On one seed a rate next to the divergence cliff wins by a little; on the other it stalls. Scored on the mean
+    over both seeds the sweep picks the rate that holds on both, runs every rate on every seed, and averages the
+    guidance scores."""
+    size = dataclasses.replace(_size("cpu"), sweep_lrs=(1e-3, 2e-3, 4e-3, 8e-3), cfg_scales=(1.5, 3.0))
+    finals = {
+        0: {1e-3: 0.50, 2e-3: 0.82, 4e-3: 0.83, 8e-3: 0.84, 1.6e-2: 0.40},
+        1: {1e-3: 0.60, 2e-3: 0.80, 4e-3: 0.55, 8e-3: 0.45},
+    }
+    trained = []
+
+    def fake_run(self, method, seed, lr=None, *, evals=None, rate="lr"):
+        trained.append((seed, lr))
+        return {"curve": [{"align_overall": finals[seed][lr]}]}
+
+    guidance = {"s0": {"1.5": 0.7, "3": 0.9}, "s1": {"1.5": 0.8, "3": 0.4}}
+    monkeypatch.setattr(speedup.Runner, "run", fake_run)
+    monkeypatch.setattr(speedup, "guidance_scores", lambda workdir, size: guidance[workdir.name.split("-")[-2]])
+    one = speedup.sweep(size, tmp_path / "one", ["latent"], log=lambda s: None)
+    assert one["latent"]["lr"] == 8e-3 and one["latent"]["inside_grid"] and {s for s, _ in trained} == {0}
+    trained.clear()
+    two = speedup.sweep(size, tmp_path / "two", ["latent"], seeds=(0, 1), log=lambda s: None)["latent"]
+    assert two["lr"] == 2e-3 and two["inside_grid"] and two["seeds"] == [0, 1]
+    assert sorted(trained) == sorted((s, lr) for s in (0, 1) for lr in size.sweep_lrs)
+    assert two["grid"]["0.002"] == pytest.approx(0.81) and two["per_seed"][1]["0.008"] == 0.45
+    assert two["cfg_scores"] == pytest.approx({"1.5": 0.75, "3": 0.65}) and two["cfg_scale"] == 1.5
+
+
 def test_a_finished_run_is_reused_across_added_config_keys():
     """A run saved before a key was added to the config (config.ADDED_KEYS) still matches its config, read at the
     value it ran under; a real difference in any value does not match."""

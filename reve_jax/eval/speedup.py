@@ -332,25 +332,40 @@ def run_benchmark(size: Protocol, out_dir, *, methods=None, extra=(), cache_dir=
     return publish("complete")
 
 
-def sweep(size: Protocol, out_dir, methods, *, extra=(), cache_dir=None, evaluator_kwargs=None, max_extend: int = 2,
-          rate: str = "lr", log: Callable[[str], None] = print) -> dict:  # fmt: skip
-    """For each method, on the first seed: the LR grid (each run evaluated at the end only), extended by factors of
-    2 while the best LR sits at an edge (at most `max_extend` times), then the guidance scales on the winner's final
-    EMA weights. `rate` is the optimizer rate the grid varies (RATES: "muon_lr" sweeps Muon's group with the main
-    group at its frozen rate). Writes <out>/sweep.json ({method: ...}, or {method@muon_lr: ...}) and returns
-    {method: {rate: best, "cfg_scale", "grid": {lr: align}, ...}}."""
+def sweep(
+    size: Protocol,
+    out_dir,
+    methods,
+    *,
+    extra=(),
+    cache_dir=None,
+    evaluator_kwargs=None,
+    max_extend: int = 2,
+    rate: str = "lr",
+    seeds: tuple[int, ...] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """For each method, on `seeds` (default: the size's first): the LR grid (each run evaluated at the end only;
+    a rate's score is its mean over the seeds), extended by factors of 2 while the best LR sits at an edge (at most
+    `max_extend` times), then the guidance scales on the winner's final EMA weights (mean over the seeds). Two seeds
+    choose a rate that holds on both where one seed may pick a rate at the edge of stability. `rate` is the
+    optimizer rate the grid varies (RATES: "muon_lr" sweeps Muon's group with the main group at its frozen rate).
+    Writes <out>/sweep.json ({method: ...}, or {method@muon_lr: ...}) and returns {method: {rate: best,
+    "cfg_scale", "grid": {lr: mean align}, "per_seed": {seed: {lr: align}}, ...}}."""
     out = Path(out_dir)
     runner = Runner(size, out, extra, cache_dir, evaluator_kwargs, log)
-    seed = size.seeds[0]
+    seeds = tuple(seeds or size.seeds[:1])
     result = {}
     for method in methods:
-        scores: dict[float, float] = {}
+        per_seed: dict[int, dict[float, float]] = {seed: {} for seed in seeds}
         grid = sorted(size.sweep_lrs)
         for _ in range(max_extend + 1):
             for lr in grid:
-                if lr not in scores:
-                    rec = runner.run(method, seed, lr, evals=1, rate=rate)
-                    scores[lr] = rec["curve"][-1][PRIMARY] if rec["curve"] else float("-inf")
+                for seed in seeds:
+                    if lr not in per_seed[seed]:
+                        rec = runner.run(method, seed, lr, evals=1, rate=rate)
+                        per_seed[seed][lr] = rec["curve"][-1][PRIMARY] if rec["curve"] else float("-inf")
+            scores = {lr: float(np.mean([per_seed[seed][lr] for seed in seeds])) for lr in per_seed[seeds[0]]}
             best = max(scores, key=scores.get)
             lrs = sorted(scores)
             if best == lrs[0]:
@@ -360,13 +375,18 @@ def sweep(size: Protocol, out_dir, methods, *, extra=(), cache_dir=None, evaluat
             else:
                 break
         inside = lrs[0] < best < lrs[-1]
-        key = _run_key(size, method, seed, extra, best, rate) + "-e1"
-        scales = guidance_scores(out / "runs" / key, size)
-        grid = {f"{k:g}": v for k, v in sorted(scores.items())}
-        result[method] = {rate: best, "inside_grid": inside, "grid": grid, "seed": seed,
-                          "cfg_scale": float(max(scales, key=scales.get)), "cfg_scores": scales}  # fmt: skip
-        log(f"sweep {method}: {rate} {best:g} ({'inside' if inside else 'AT THE EDGE of'} the grid "
-            f"{result[method]['grid']}), guidance {result[method]['cfg_scale']:g} ({scales})")  # fmt: skip
+        keys = [_run_key(size, method, seed, extra, best, rate) + "-e1" for seed in seeds]
+        by_seed = [guidance_scores(out / "runs" / key, size) for key in keys]
+        scales = {k: float(np.mean([g[k] for g in by_seed])) for k in by_seed[0]}
+
+        def named(d: dict) -> dict:
+            return {f"{k:g}": v for k, v in sorted(d.items())}
+
+        r = result[method] = {rate: best, "inside_grid": inside, "grid": named(scores), "seeds": list(seeds),
+                              "per_seed": {seed: named(d) for seed, d in per_seed.items()},
+                              "cfg_scale": float(max(scales, key=scales.get)), "cfg_scores": scales}  # fmt: skip
+        log(f"sweep {method}: {rate} {best:g} ({'inside' if inside else 'AT THE EDGE of'} the grid {r['grid']}, "
+            f"seeds {list(seeds)}), guidance {r['cfg_scale']:g} ({scales})")  # fmt: skip
         path = out / "sweep.json"
         saved = json.loads(path.read_text()) if path.exists() else {}
         saved.update({(m if rate == "lr" else f"{m}@{rate}"): r for m, r in result.items()})
