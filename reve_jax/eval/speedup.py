@@ -378,12 +378,8 @@ def sweep(
         keys = [_run_key(size, method, seed, extra, best, rate) + "-e1" for seed in seeds]
         by_seed = [guidance_scores(out / "runs" / key, size) for key in keys]
         scales = {k: float(np.mean([g[k] for g in by_seed])) for k in by_seed[0]}
-
-        def named(d: dict) -> dict:
-            return {f"{k:g}": v for k, v in sorted(d.items())}
-
-        r = result[method] = {rate: best, "inside_grid": inside, "grid": named(scores), "seeds": list(seeds),
-                              "per_seed": {seed: named(d) for seed, d in per_seed.items()},
+        r = result[method] = {rate: best, "inside_grid": inside, "grid": _by_rate(scores), "seeds": list(seeds),
+                              "per_seed": {seed: _by_rate(d) for seed, d in per_seed.items()},
                               "cfg_scale": float(max(scales, key=scales.get)), "cfg_scores": scales}  # fmt: skip
         log(f"sweep {method}: {rate} {best:g} ({'inside' if inside else 'AT THE EDGE of'} the grid {r['grid']}, "
             f"seeds {list(seeds)}), guidance {r['cfg_scale']:g} ({scales})")  # fmt: skip
@@ -392,6 +388,11 @@ def sweep(
         saved.update({(m if rate == "lr" else f"{m}@{rate}"): r for m, r in result.items()})
         path.write_text(json.dumps(saved, indent=1))
     return result
+
+
+def _by_rate(scores: dict[float, float]) -> dict[str, float]:
+    """{rate: score} with the rates as JSON keys ('0.002'), in increasing order."""
+    return {f"{k:g}": v for k, v in sorted(scores.items())}
 
 
 def guidance_scores(workdir: Path, size: Protocol) -> dict[str, float]:
