@@ -42,9 +42,9 @@ def dry_run(size, methods, extra: tuple[str, ...], args) -> None:
     split, and exit 0."""
     if args.dinov2 and not Path(args.dinov2).is_file():
         raise SystemExit(f"error: input not found: {args.dinov2}")
+    lr = size.sweep_lrs[0] if args.sweep else None  # a sweep run's config: the grid's first rate
     for method in dict.fromkeys(methods if args.sweep else (size.baseline, *methods)):
         try:
-            lr = size.sweep_lrs[0] if args.sweep else None
             cfg = speedup.build_config(size, method, size.seeds[0], extra, lr, args.rate)
         except (config.ConfigError, ValueError) as e:
             raise SystemExit(f"config error ({method}): {e}") from None

@@ -422,6 +422,7 @@ def rescore(out_dir: str | Path, log: Callable[[str], None] = print) -> dict:
         raise FileNotFoundError(f"{path} not found: rescore needs a benchmark's output directory (--out of a run)")
     results = json.loads(path.read_text())
     size = Protocol(**{k: tuple(v) if isinstance(v, list) else v for k, v in results["size"].items()})
+    step_flops: dict[str, float] = {}  # per method: its runs differ only in the seed, which costs no FLOPs
     for rec in results["runs"]:
         key = _run_key(size, rec["method"], rec["seed"], tuple(results.get("extra", ())))
         npz = out / "runs" / f"{key}.npz"
@@ -429,7 +430,9 @@ def rescore(out_dir: str | Path, log: Callable[[str], None] = print) -> dict:
             raise FileNotFoundError(f"{npz} not found: run {key} kept no images, so it cannot be rescored")
         cfg = config_lib.from_json(rec["config"])
         rec.setdefault("model_step_flops", flops.train_flops_per_image(cfg) * cfg.train.global_batch)
-        count_flops(rec, executed_step_flops(cfg))
+        if rec["method"] not in step_flops:
+            step_flops[rec["method"]] = executed_step_flops(cfg)
+        count_flops(rec, step_flops[rec["method"]])
         ds = pipeline.dataset_from_config(cfg.data)
         with np.load(npz) as saved:
             scenes = [ds.scene(int(i)) for i in saved["index"]]
