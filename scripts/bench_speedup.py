@@ -124,14 +124,17 @@ def main(argv=None):
     print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", flush=True)
     kwargs = dict(extra=tuple(extra), cache_dir=args.cache, log=lambda s: print(s, flush=True))
     kwargs["evaluator_kwargs"] = {"dinov2_path": args.dinov2} if args.dinov2 else None
-    if args.sweep:
-        seeds = size.seeds if args.seeds else None  # the sweep's seeds: those given, else the size's first
-        result = speedup.sweep(size, out, methods or (size.baseline, *size.methods), rate=args.rate, seeds=seeds,
-                               **kwargs)  # fmt: skip
-        print("freeze in the size file: FROZEN = " + repr({m: {args.rate: r[args.rate], "cfg_scale": r["cfg_scale"]}
-                                                          for m, r in result.items()}))  # fmt: skip
-        return
-    speedup.run_benchmark(size, out, methods=methods, **kwargs)
+    try:
+        if args.sweep:
+            seeds = size.seeds if args.seeds else None  # the sweep's seeds: those given, else the size's first
+            result = speedup.sweep(size, out, methods or (size.baseline, *size.methods), rate=args.rate, seeds=seeds,
+                                   **kwargs)  # fmt: skip
+            print("freeze in the size file: FROZEN = " + repr({m: {args.rate: r[args.rate], "cfg_scale": r["cfg_scale"]}
+                                                              for m, r in result.items()}))  # fmt: skip
+            return
+        speedup.run_benchmark(size, out, methods=methods, **kwargs)
+    except speedup.RunStopped as e:
+        raise SystemExit(f"stopped: {e}") from None
     print((out / "speedup.md").read_text())
     print(f"wrote {out / 'speedup.md'}, {out / 'speedup.png'}")
 

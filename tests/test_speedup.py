@@ -3,6 +3,8 @@ end to end as a resumable trainer run with the evaluation hook."""
 
 import dataclasses
 import json
+import os
+import signal
 import time
 
 import jax
@@ -175,6 +177,32 @@ def test_a_benchmark_run_is_a_resumable_trainer_run(tmp_path):
     assert straight["diverged"] is None and straight["step_flops"] > 0
     # the FLOP cost is the trainer's own count of its compiled step, the one a rescore recounts from the config
     assert straight["step_flops"] == split["step_flops"] == speedup.executed_step_flops(cfg)
+
+
+def test_a_signalled_run_writes_no_record_and_the_rerun_resumes_it(tmp_path):
+    """A benchmark run stopped by SIGTERM (the trainer checkpoints and returns) raises RunStopped and leaves no run
+    record, so the next benchmark command resumes it instead of reusing a short curve; a record with a short curve
+    (written by older versions) is trained on too, and the finished record is reused."""
+    size = dataclasses.replace(_size("cpu"), steps=4, evals=2, n_eval=8, n_final=8)
+    tiny = ("model.width=32", "model.depth=3", "model.heads=2", "text.width=32", "data.image_size=16", "model.patch=4",
+            "train.global_batch=8", "data.worker_threads=0", "sample.steps=2")  # fmt: skip
+    lines = []
+
+    def log(line):
+        lines.append(line)
+        if "step     2" in line and not any("reused" in x for x in lines):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    runner = speedup.Runner(size, tmp_path, tiny, evaluator_kwargs={"feature_spec": None}, log=log)
+    with pytest.raises(speedup.RunStopped, match="stopped at step"):
+        runner.run("pixel", 0)
+    assert not list((tmp_path / "runs").glob("*.json"))
+    rec = runner.run("pixel", 0)
+    [record] = (tmp_path / "runs").glob("*.json")
+    assert [p["step"] for p in rec["curve"]] == [2, 4]
+    short = dict(rec, curve=rec["curve"][:1])
+    assert speedup.complete(rec, 4) and not speedup.complete(short, 4)
+    assert runner.run("pixel", 0)["curve"] == rec["curve"] and lines[-1].endswith(f"reused from {record}")
 
 
 def _newton_schulz_flops(shape, steps):

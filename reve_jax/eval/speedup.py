@@ -195,6 +195,11 @@ def train_run(cfg, workdir: str | Path, eval_every: int, n_eval: int, eval_seed:
     diverged, step_flops = None, float("nan")
     try:
         summary = trainer.run(cfg, workdir, extra_hooks=[ev])
+        if summary["reason"] not in ("finished", "diverged"):  # a signal: the run's checkpoint resumes it
+            raise RunStopped(
+                f"{workdir}: stopped at step {summary['step']} of {cfg.train.steps} ({summary['reason']}); run the "
+                "same benchmark command again to resume it from its checkpoint"
+            )
         compile_s = summary["compile_s"]
         counts = list(summary["step_flops_executed"].values())
         step_flops = counts[0] if len(counts) == 1 else step_flops  # the trainer's own count of the one shape
@@ -211,6 +216,16 @@ def train_run(cfg, workdir: str | Path, eval_every: int, n_eval: int, eval_seed:
         "diverged": diverged,
     }
     return count_flops(record, step_flops if math.isfinite(step_flops) else executed_step_flops(cfg))
+
+
+class RunStopped(RuntimeError):
+    """A benchmark run stopped before its budget (a signal): no record is written, a rerun resumes it."""
+
+
+def complete(rec: dict, steps: int) -> bool:
+    """Whether a saved run record covers its budget: it diverged or its curve reaches `steps` (a record with a
+    shorter curve came from a stopped run, written so by versions before RunStopped, and is trained on)."""
+    return bool(rec.get("diverged")) or bool(rec.get("curve")) and rec["curve"][-1]["step"] >= steps
 
 
 def _run_key(size: Protocol, method: str, seed: int, extra, lr: float | None = None, rate: str = "lr") -> str:
@@ -240,7 +255,7 @@ class Runner:
             self.autoencoders[cfg.latent.path] = ae
         if path.exists():
             rec = json.loads(path.read_text())
-            if same_config(rec.get("config"), cfg):
+            if same_config(rec.get("config"), cfg) and complete(rec, size.steps):
                 self.log(f"[{key}] reused from {path}")
                 return rec
         workdir = self.out / "runs" / key
