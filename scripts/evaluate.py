@@ -2,7 +2,9 @@
 real-vs-real floor, the controls, held-out v-loss; writes a JSON and a PNG grid with each caption's checks marked
 (reve_jax/eval/scoring.py, docs/evaluation.md).
 
-python scripts/evaluate.py --workdir runs/tiny [--step N] [--n 512]
+python scripts/evaluate.py --workdir runs/tiny [--step N] [--n 512] [--sampler heun --steps 48 --cfg-scale 2]
+
+The sampler, its steps and the guidance scale are the run's unless given (the output files then name them).
 
 With --denoise T,T,...: instead, what the model returns for held-out images noised at those times (t = 1 clean)
 against the noisy input itself and with another image's caption (reve_jax/eval/denoise.py): does it use its input
@@ -29,6 +31,9 @@ def main(argv=None):
     parser.add_argument("--boot", type=int, default=1000, help="bootstrap resamples for the intervals")
     parser.add_argument("--cache-dir", default=None, help="feature net cache (default ~/.cache/reve_jax)")
     parser.add_argument("--dinov2", default=None, help="converted DINOv2 weights for fd_dinov2 (optional)")
+    parser.add_argument("--sampler", choices=("euler", "heun"), help="sample with this sampler (default: the run's)")
+    parser.add_argument("--steps", type=int, help="sampling steps (default: the run's sample.steps)")
+    parser.add_argument("--cfg-scale", type=float, help="guidance scale (default: the run's sample.cfg_scale)")
     parser.add_argument(
         "--denoise", default=None, help="comma-separated times in [0, 1), e.g. 0.5,0.85,0.95,0.99: the denoising probe"
     )
@@ -57,6 +62,7 @@ def main(argv=None):
         n_boot=args.boot,
         cache_dir=args.cache_dir,
         dinov2_path=args.dinov2,
+        sample={"sampler": args.sampler, "steps": args.steps, "cfg_scale": args.cfg_scale},
     )
     print(json_path)
     print(png_path)

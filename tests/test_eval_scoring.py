@@ -41,3 +41,28 @@ def test_evaluate_scores_a_trained_run(tmp_path):
                                   "--out", str(tmp_path / "elsewhere")])  # fmt: skip
     again = json.loads((tmp_path / "elsewhere" / "step_2.json").read_text())
     assert again["n"] == 8 and "align_overall_lo" not in again["metrics"]
+    # Another sampler and step count: the config in the JSON says how the images were drawn, the names say so too.
+    elsewhere = str(tmp_path / "elsewhere")
+    sampler = {"euler": "heun", "heun": "euler"}[again["config"]["sample"]["sampler"]]
+    load_script("evaluate").main(["--workdir", str(workdir), "--n", "8", "--boot", "0", "--out", elsewhere,
+                                  "--sampler", sampler, "--steps", "3"])  # fmt: skip
+    other = json.loads((tmp_path / "elsewhere" / f"step_2_sampler{sampler}_steps3.json").read_text())
+    assert (other["config"]["sample"]["sampler"], other["config"]["sample"]["steps"]) == (sampler, 3)
+    assert again["config"]["sample"]["steps"] != 3 and other["metrics"]["grain"] != again["metrics"]["grain"]
+
+
+def test_grain_reads_pixel_noise_not_edges():
+    """The grain diagnostic: 0 on the fixed rendering's scenes (flat backgrounds, sharp objects: a median ignores
+    the edges), rising with added pixel noise of std s in [-1, 1] at about 1.75 s (the median |Laplacian| of white
+    noise: 0.674 * sqrt(20) * s / 2 in [0, 1] units, less the uint8 rounding), unchanged by the image's colours."""
+    from reve_jax.data.synthetic import SyntheticShapes
+    from reve_jax.eval import quality
+
+    ds = SyntheticShapes(image_size=32, num_samples=64, render="fixed")  # the benchmark's rendering
+    real = np.stack([ds[i]["image"] for i in range(64)]).astype(np.float32) / 127.5 - 1
+    assert quality.grain(real) == 0.0
+    rng = np.random.default_rng(0)
+    for s in (0.02, 0.05):
+        noisy = np.clip(real + s * rng.standard_normal(real.shape), -1, 1)
+        assert 1.4 * s < quality.grain(noisy) < 2.0 * s, (s, quality.grain(noisy))
+    assert quality.grain(-real) == 0.0

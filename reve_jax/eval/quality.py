@@ -14,6 +14,9 @@ returns a flat dict of floats:
 - every metric above with <name>_lo and <name>_hi: its 95% bootstrap interval over captions (bootstrap.py);
 - ctrl_<control>_align_overall, ctrl_<control>_align_exact, ctrl_<control>_kid for the controls real, shuffled,
   background and one_object (controls.py), computed once: they must lie clearly below real images;
+- grain: high-frequency noise in flat regions, the mean over images of the median absolute 4-neighbour Laplacian
+  of the pixels in [0, 1] (real images: 0; Gaussian pixel noise of std s in [-1, 1] reads about 1.75 s); a
+  diagnostic, with no interval;
 - fd_shapes: Fréchet distance in the feature net's space (biased upwards at small n: prefer kid); fd_dinov2: the
   same in DINOv2's space, when `dinov2_path` names a converted DINOv2 file;
 - vloss, vloss_t<t>: held-out v-loss at fixed t and noise (vloss.py); eval_s: seconds the evaluation took.
@@ -34,6 +37,15 @@ import numpy as np
 from reve_jax import sampling
 from reve_jax.data import pipeline
 from reve_jax.eval import alignment, bootstrap, controls, features, kid, vloss
+
+
+def grain(images: np.ndarray) -> float:
+    """The mean over images [n, H, W, 3] (uint8 or [-1, 1]) of the median absolute 4-neighbour Laplacian of the
+    pixels in [0, 1], averaged over channels: 0 for flat regions, whatever the objects' edges (a median)."""
+    x = _uint8(images).astype(np.int32)  # integer levels: a flat region is exactly 0
+    c = x[:, 1:-1, 1:-1]
+    lap = np.abs(4 * c - x[:, :-2, 1:-1] - x[:, 2:, 1:-1] - x[:, 1:-1, :-2] - x[:, 1:-1, 2:]).mean(-1)
+    return float(np.median(lap.reshape(len(x), -1), axis=1).mean() / 255.0)
 
 
 def _uint8(images: np.ndarray) -> np.ndarray:
@@ -155,6 +167,7 @@ class Evaluator:
             out.update(alignment.summarize(checks))
             if w is not None:
                 samples.update(bootstrap.alignment_samples(checks, w))
+        out["grain"] = grain(images)
         if self.feature_fn is not None:
             feats = self.feature_fn(_uint8(images))
             for space in self.spaces:

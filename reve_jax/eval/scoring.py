@@ -56,13 +56,22 @@ def score_checkpoint(
     out_dir: str | Path | None = None,
     grid: int = 32,
     log=print,
+    sample: dict | None = None,
     **evaluator_kwargs,
 ) -> tuple[dict, Path, Path]:
     """Scores checkpoint `step` (default: the newest) of `workdir` on `n` held-out captions with noise `seed`;
-    `evaluator_kwargs` go to quality.Evaluator (n_boot, cache_dir, dinov2_path, ...). Writes the JSON and the
-    PNG described in the module docstring; returns (the JSON's content, its path, the PNG's path)."""
+    `sample` overrides keys of the run's `sample` section (sampler, steps, cfg_scale: how the images are drawn, e.g.
+    {"steps": 48}); `evaluator_kwargs` go to quality.Evaluator (n_boot, cache_dir, dinov2_path, ...). Writes the
+    JSON and the PNG described in the module docstring (with the overrides in their names); returns (the JSON's
+    content, its path, the PNG's path)."""
     t0 = time.perf_counter()
     cfg, graphdef, ema, step, mesh = restore_ema(workdir, step)
+    sample = {k: v for k, v in (sample or {}).items() if v is not None}
+    if sample:  # an unknown key or a wrong type is a ConfigError
+        cfg = config.from_json(config.to_json(cfg))
+        for k, v in sample.items():
+            config.apply_override(cfg, f"sample.{k}={v!r}")
+        config.validate(cfg)
     log(f"restored step {step} of {workdir} ({time.perf_counter() - t0:.1f}s); scoring {n} captions")
     ev = quality.Evaluator(cfg, graphdef, n, seed, mesh=mesh, **evaluator_kwargs)
     images = ev.generate(ema)
@@ -86,7 +95,8 @@ def score_checkpoint(
     }
     out = Path(out_dir) if out_dir else Path(workdir) / "evaluation"
     out.mkdir(parents=True, exist_ok=True)
-    json_path, png_path = out / f"step_{step}.json", out / f"step_{step}.png"
+    name = f"step_{step}" + "".join(f"_{k}{v}" for k, v in sorted(sample.items()))
+    json_path, png_path = out / f"{name}.json", out / f"{name}.png"
     json_path.write_text(json.dumps(result, indent=1))
     k = min(grid, n)
     viz.save_checked_grid(png_path, images[:k], captions[:k], [{a: tuple(r[a]) for a in r} for r in rows[:k]])
