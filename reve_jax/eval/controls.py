@@ -1,6 +1,6 @@
 """Control image sets that every evaluation reports beside a model's score: what real images score (the ceiling),
-and what three kinds of wrong images score (each must land clearly below real images on every metric, or the
-metric cannot tell them apart from a model that learned the captions):
+and what wrong images score (each must land clearly below real images on every metric that reads what is wrong
+with it, or the metric cannot tell them apart from a model that learned the captions):
 
 - real: another real image for each held-out caption (the dataset's next draw of its variation; the fixed
   rendering has only one image per caption, so there it is the held-out image itself). Its distance to the
@@ -9,7 +9,10 @@ metric cannot tell them apart from a model that learned the captions):
   captions, and no copy of a held-out image, which would pair with itself in the distances);
 - background: each caption's background alone, drawn the dataset's way, without objects;
 - one_object: one object of the caption, right in color, shape and size, in a random cell (any of the nine), and
-  none of the others: the score of a model that draws the right thing anywhere.
+  none of the others: the score of a model that draws the right thing anywhere;
+- noisy: the real images with Gaussian pixel noise of std NOISY_STD in [-1, 1] (about 6 levels of 255), a degraded
+  image: the right scene under the grain a model can leave in flat regions. The caption checks read it right (they
+  read scenes, not texture); the distances must put it clearly above the floor.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import numpy as np
 
 from reve_jax.data import synthetic
 
-NAMES = ("real", "shuffled", "background", "one_object")
+NAMES = ("real", "shuffled", "background", "one_object", "noisy")
+NOISY_STD = 0.05
 _KEY_BACKGROUND, _KEY_ONE_OBJECT = 1001, 1002  # style-key tags: the controls' variation is drawn apart from the data's
 
 
@@ -39,4 +43,7 @@ def control_images(ds: synthetic.SyntheticShapes, index, seed: int) -> dict[str,
         moved = dataclasses.replace(scene.objects[0], cell=int(rng.integers(synthetic.GRID**2)))
         one.append(ds.draw(synthetic.Scene(scene.background, (moved,)), (ds.seed, i, _KEY_ONE_OBJECT)))
     out["background"], out["one_object"] = np.stack(background), np.stack(one)
+    real = out["real"].astype(np.float32) / 127.5 - 1.0
+    noisy = real + NOISY_STD * rng.standard_normal(real.shape).astype(np.float32)
+    out["noisy"] = np.rint((noisy + 1.0) * 127.5).clip(0, 255).astype(np.uint8)
     return out

@@ -12,8 +12,9 @@ returns a flat dict of floats:
   the caption's scene (kid.py); kid_image: the same on the images alone; kid_floor, kid_image_floor: the same
   distances for a second real image per caption (the real-vs-real floor, what a perfect model scores on average);
 - every metric above with <name>_lo and <name>_hi: its 95% bootstrap interval over captions (bootstrap.py);
-- ctrl_<control>_align_overall, ctrl_<control>_align_exact, ctrl_<control>_kid for the controls real, shuffled,
-  background and one_object (controls.py), computed once: they must lie clearly below real images;
+- ctrl_<control>_align_overall, ctrl_<control>_align_exact, ctrl_<control>_kid, ctrl_<control>_grain for the
+  controls real, shuffled, background, one_object and noisy (controls.py), computed once: each must lie clearly
+  below real images on the metrics that read what is wrong with it;
 - grain: high-frequency noise in flat regions, the mean over images of the median absolute 4-neighbour Laplacian
   of the pixels in [0, 1] (real images: 0; Gaussian pixel noise of std s in [-1, 1] reads about 1.75 s); a
   diagnostic, with no interval;
@@ -127,7 +128,7 @@ class Evaluator:
             if with_controls:
                 for name in controls.NAMES:
                     m = self.image_metrics(sets[name], intervals=False)
-                    for key in ("align_overall", "align_exact", "kid"):
+                    for key in ("align_overall", "align_exact", "kid", "grain"):
                         if key in m:
                             self.fixed_metrics[f"ctrl_{name}_{key}"] = m[key]
 
