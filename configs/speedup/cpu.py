@@ -49,6 +49,10 @@ FROZEN = {  # the sweep of 2026-12-01 (runs/sweep_cpu2; docs/speedup.md has its 
     # 0.448), then Muon's with the AdamW group's at 1e-3 (runs/sweep_cpu4, `--rate muon_lr`: 1e-3 0.839, 2e-3
     # 0.865, 4e-3 0.857 at guidance 1.5).
     "prx": {"lr": 1e-3, "muon_lr": 2e-3, "cfg_scale": 1.5},
+    # Baseline B on seed 0 (runs/sweep_cpu3, 2026-12-02, guidance 2): 5e-4 0.281, 1e-3 0.271, 2e-3 0.303, 4e-3 0.316,
+    # 8e-3 0.280; guidance 1 / 1.5 / 2 / 3: 0.284 / 0.294 / 0.316 / 0.301. Its best draws backgrounds, few objects:
+    # under the gate's 0.45, it does not learn in this budget (docs/speedup.md).
+    "pixel": {"lr": 4e-3, "cfg_scale": 2.0},
 }
 
 
