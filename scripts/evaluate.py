@@ -13,7 +13,7 @@ or paint a template? Writes denoise_step_<N>.json and .png.
 
 import argparse
 
-from reve_jax import cli
+from reve_jax import cli, config
 
 
 def main(argv=None):
@@ -31,7 +31,9 @@ def main(argv=None):
     parser.add_argument("--boot", type=int, default=1000, help="bootstrap resamples for the intervals")
     parser.add_argument("--cache-dir", default=None, help="feature net cache (default ~/.cache/reve_jax)")
     parser.add_argument("--dinov2", default=None, help="converted DINOv2 weights for fd_dinov2 (optional)")
-    parser.add_argument("--sampler", choices=("euler", "heun"), help="sample with this sampler (default: the run's)")
+    parser.add_argument(
+        "--sampler", choices=config.CHOICES["sample.sampler"], help="sample with this sampler (default: the run's)"
+    )
     parser.add_argument("--steps", type=int, help="sampling steps (default: the run's sample.steps)")
     parser.add_argument("--cfg-scale", type=float, help="guidance scale (default: the run's sample.cfg_scale)")
     parser.add_argument(

@@ -43,7 +43,6 @@ def control_images(ds: synthetic.SyntheticShapes, index, seed: int) -> dict[str,
         moved = dataclasses.replace(scene.objects[0], cell=int(rng.integers(synthetic.GRID**2)))
         one.append(ds.draw(synthetic.Scene(scene.background, (moved,)), (ds.seed, i, _KEY_ONE_OBJECT)))
     out["background"], out["one_object"] = np.stack(background), np.stack(one)
-    real = out["real"].astype(np.float32) / 127.5 - 1.0
-    noisy = real + NOISY_STD * rng.standard_normal(real.shape).astype(np.float32)
-    out["noisy"] = np.rint((noisy + 1.0) * 127.5).clip(0, 255).astype(np.uint8)
+    noise = NOISY_STD * 127.5 * rng.standard_normal(out["real"].shape)  # the std in [-1, 1], in uint8 levels
+    out["noisy"] = np.rint(out["real"] + noise).clip(0, 255).astype(np.uint8)
     return out

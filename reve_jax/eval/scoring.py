@@ -67,8 +67,7 @@ def score_checkpoint(
     t0 = time.perf_counter()
     cfg, graphdef, ema, step, mesh = restore_ema(workdir, step)
     sample = {k: v for k, v in (sample or {}).items() if v is not None}
-    if sample:  # an unknown key or a wrong type is a ConfigError
-        cfg = config.from_json(config.to_json(cfg))
+    if sample:  # on the config just read from the checkpoint; an unknown key or a wrong type is a ConfigError
         for k, v in sample.items():
             config.apply_override(cfg, f"sample.{k}={v!r}")
         config.validate(cfg)
