@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from reve_jax import config
@@ -110,6 +111,9 @@ def train(cfg, workdir, worker, *, fresh: bool = False):
         return trainer.run(cfg, workdir, worker, fresh=fresh)
     except (config.ConfigError, sharding.MeshError, checkpoint.CheckpointError, trainer.NonFiniteError) as e:
         logging.getLogger("reve_jax").debug("stopped by", exc_info=True)
+        # A failed async save leaves Orbax's abandoned write coroutines; their warnings, collected at exit, would
+        # follow (and bury) the one-line error.
+        warnings.filterwarnings("ignore", message="coroutine .* was never awaited", category=RuntimeWarning)
         sys.exit(f"error: {e}")
     finally:
         if worker is not None:
