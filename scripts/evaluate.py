@@ -5,6 +5,8 @@ real-vs-real floor, the controls, held-out v-loss; writes a JSON and a PNG grid 
 python scripts/evaluate.py --workdir runs/tiny [--step N] [--n 512] [--sampler heun --steps 48 --cfg-scale 2]
 
 The sampler, its steps and the guidance scale are the run's unless given (the output files then name them).
+With --regions: also where the images differ from the data, the KID with each region around the objects (interior,
+rim, ring, near, flat) given back its real pixels (reve_jax/eval/regions.py; the fixed rendering only).
 
 With --denoise T,T,...: instead, what the model returns for held-out images noised at those times (t = 1 clean)
 against the noisy input itself and with another image's caption (reve_jax/eval/denoise.py): does it use its input
@@ -37,6 +39,11 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, help="sampling steps (default: the run's sample.steps)")
     parser.add_argument("--cfg-scale", type=float, help="guidance scale (default: the run's sample.cfg_scale)")
     parser.add_argument(
+        "--regions",
+        action="store_true",
+        help="also the KID with each region around the objects given back its real pixels (data.render='fixed')",
+    )
+    parser.add_argument(
         "--denoise", default=None, help="comma-separated times in [0, 1), e.g. 0.5,0.85,0.95,0.99: the denoising probe"
     )
     args = parser.parse_args(argv)
@@ -65,6 +72,7 @@ def main(argv=None):
         cache_dir=args.cache_dir,
         dinov2_path=args.dinov2,
         sample={"sampler": args.sampler, "steps": args.steps, "cfg_scale": args.cfg_scale},
+        regions=args.regions,
     )
     print(json_path)
     print(png_path)

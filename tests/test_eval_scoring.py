@@ -5,10 +5,11 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 from PIL import Image
 from util import TINY, load_script
 
-from reve_jax.eval import alignment, controls
+from reve_jax.eval import alignment, controls, regions
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,6 +50,12 @@ def test_evaluate_scores_a_trained_run(tmp_path):
     other = json.loads((tmp_path / "elsewhere" / f"step_2_sampler{sampler}_steps3.json").read_text())
     assert (other["config"]["sample"]["sampler"], other["config"]["sample"]["steps"]) == (sampler, 3)
     assert again["config"]["sample"]["steps"] != 3 and other["metrics"]["grain"] != again["metrics"]["grain"]
+    # --regions: the KID with each region's real pixels given back (tests/test_eval_regions.py checks what it finds)
+    load_script("evaluate").main(["--workdir", str(workdir), "--n", "8", "--boot", "0", "--out", elsewhere,
+                                  "--regions"])  # fmt: skip
+    table = json.loads((tmp_path / "elsewhere" / "step_2.json").read_text())["regions"]
+    assert table["generated"]["kid"] == pytest.approx(again["metrics"]["kid"])  # the same 8 images
+    assert sum(table[r]["frac"] for r in regions.REGIONS) == pytest.approx(1.0)
 
 
 def test_grain_reads_pixel_noise_not_edges():

@@ -169,6 +169,9 @@ def test_a_benchmark_run_is_a_resumable_trainer_run(tmp_path):
         for k in ("align_overall", "vloss", "train_loss", "samples", "flops"):
             assert a[k] == b[k], (k, a[k], b[k])
     assert "final_align_overall" in split["curve"][-1] and "final_align_overall" not in split["curve"][0]
+    # the controls are scored once, on the n_eval captions, not again at the final evaluation
+    assert "ctrl_shuffled_align_overall" in split["curve"][-1]
+    assert not any(k.startswith("final_ctrl_") for k in split["curve"][-1])
     walls = [p["wall_s"] for p in split["curve"]]
     assert 0 < walls[0] < walls[1] < walls[2]
     # The clock excludes compilation and the evaluations.

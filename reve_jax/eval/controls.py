@@ -36,13 +36,22 @@ def control_images(ds: synthetic.SyntheticShapes, index, seed: int) -> dict[str,
     out = {"real": np.stack([ds.image(i, variant=1) for i in index])}
     others = [(min(index) - 1 - k) % ds.num_samples for k in range(len(index))]
     out["shuffled"] = np.stack([ds[i]["image"] for i in others])
-    background, one = [], []
+    out["background"] = backgrounds(ds, index)
+    one = []
     for i in index:
         scene = ds.scene(i)
-        background.append(ds.draw(synthetic.Scene(scene.background, ()), (ds.seed, i, _KEY_BACKGROUND)))
         moved = dataclasses.replace(scene.objects[0], cell=int(rng.integers(synthetic.GRID**2)))
         one.append(ds.draw(synthetic.Scene(scene.background, (moved,)), (ds.seed, i, _KEY_ONE_OBJECT)))
-    out["background"], out["one_object"] = np.stack(background), np.stack(one)
+    out["one_object"] = np.stack(one)
     noise = NOISY_STD * 127.5 * rng.standard_normal(out["real"].shape)  # the std in [-1, 1], in uint8 levels
     out["noisy"] = np.rint(out["real"] + noise).clip(0, 255).astype(np.uint8)
     return out
+
+
+def backgrounds(ds: synthetic.SyntheticShapes, index) -> np.ndarray:
+    """Each caption's background alone, drawn the dataset's way, without objects: uint8 [n, S, S, 3] (in the fixed
+    rendering, the caption's image with its objects taken out)."""
+    out = []
+    for i in (int(i) for i in index):
+        out.append(ds.draw(synthetic.Scene(ds.scene(i).background, ()), (ds.seed, i, _KEY_BACKGROUND)))
+    return np.stack(out)

@@ -41,7 +41,7 @@ class EvalHook:
       evaluator_kwargs: more Evaluator arguments (feature net cache, DINOv2 weights).
       on_eval: called with each new point.
       n_final: the last evaluation is also made on this many captions, its metrics stored as `final_<name>`
-        (None: not).
+        (None: not); the controls are not scored again there.
     """
 
     timed = False
@@ -101,13 +101,14 @@ class EvalHook:
             images = self.evaluator.generate(ema)
             point.update(self.evaluator(ema, images=images))
             if ctx.last and self.n_final:
-                final = quality.Evaluator(
-                    ctx.run.cfg, ctx.run.setup.graphdef, self.n_final, self.seed, mesh=ctx.run.mesh, **self.kwargs
-                )
+                final = quality.Evaluator(  # the controls were scored once on the n_eval captions
+                    ctx.run.cfg, ctx.run.setup.graphdef, self.n_final, self.seed, mesh=ctx.run.mesh,
+                    with_controls=False, **self.kwargs,
+                )  # fmt: skip
                 point.update({f"final_{k}": v for k, v in final(ema).items()})
             if jax.process_index() == 0:
                 self.images_dir.mkdir(parents=True, exist_ok=True)
-                np.savez_compressed(self.images_dir / f"step_{ctx.step:07d}.npz", images=to_uint8(images))
+                np.savez_compressed(self.images_dir / f"step_{ctx.step:07d}.npz", images=viz.to_uint8(images))
                 if ctx.last:
                     dataset = pipeline.dataset_from_config(ctx.run.cfg.data)
                     captions = pipeline.captions_of(dataset, self.evaluator.heldout["index"][:16])
@@ -122,11 +123,6 @@ class EvalHook:
 
     def heldout_index(self) -> np.ndarray | None:
         return None if self.evaluator is None else self.evaluator.heldout["index"]
-
-
-def to_uint8(images: np.ndarray) -> np.ndarray:
-    """[-1, 1] float images -> uint8 pixels."""
-    return np.rint((np.asarray(images) + 1.0) * 127.5).clip(0, 255).astype(np.uint8)
 
 
 def load_images(workdir: str | Path) -> dict[int, np.ndarray]:

@@ -35,7 +35,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from reve_jax import sampling
+from reve_jax import sampling, viz
 from reve_jax.data import pipeline
 from reve_jax.eval import alignment, bootstrap, controls, features, kid, vloss
 
@@ -43,15 +43,10 @@ from reve_jax.eval import alignment, bootstrap, controls, features, kid, vloss
 def grain(images: np.ndarray) -> float:
     """The mean over images [n, H, W, 3] (uint8 or [-1, 1]) of the median absolute 4-neighbour Laplacian of the
     pixels in [0, 1], averaged over channels: 0 for flat regions, whatever the objects' edges (a median)."""
-    x = _uint8(images).astype(np.int32)  # integer levels: a flat region is exactly 0
+    x = viz.to_uint8(images).astype(np.int32)  # integer levels: a flat region is exactly 0
     c = x[:, 1:-1, 1:-1]
     lap = np.abs(4 * c - x[:, :-2, 1:-1] - x[:, 2:, 1:-1] - x[:, 1:-1, :-2] - x[:, 1:-1, 2:]).mean(-1)
     return float(np.median(lap.reshape(len(x), -1), axis=1).mean() / 255.0)
-
-
-def _uint8(images: np.ndarray) -> np.ndarray:
-    images = np.asarray(images)
-    return images if images.dtype == np.uint8 else np.rint((images + 1.0) * 127.5).clip(0, 255).astype(np.uint8)
 
 
 class Evaluator:
@@ -102,7 +97,7 @@ class Evaluator:
         self.sample_fn = sampling.make_sampler(cfg, graphdef)
         self.vloss_fn = vloss.make_vloss_fn(cfg, graphdef)
         self.counts = bootstrap.counts(n_images, n_boot, seed + 2) if n_boot else None
-        real = _uint8(self.heldout["image"])
+        real = viz.to_uint8(self.heldout["image"])
         self.feature_fn = self.feature_info = None
         if feature_spec is not None:
             net, self.feature_info = features.get_feature_net(feature_spec, cache_dir)
@@ -170,7 +165,7 @@ class Evaluator:
                 samples.update(bootstrap.alignment_samples(checks, w))
         out["grain"] = grain(images)
         if self.feature_fn is not None:
-            feats = self.feature_fn(_uint8(images))
+            feats = self.feature_fn(viz.to_uint8(images))
             for space in self.spaces:
                 x = self._embed(space, feats)
                 out[space] = kid.kid(x, self.real_embedded[space])

@@ -5,6 +5,7 @@ Outputs, under <workdir>/evaluation/ unless told otherwise:
 - step_<N>.json: {"workdir", "step", "n", "seed", "config", "metrics" (the Evaluator's flat dict: alignment per
   attribute with 95% bootstrap intervals, KID and its floor, the controls, v-loss), "feature_net" (its
   held-out per-object accuracy), "captions": [{"index", "caption", "checks": {attribute: [passed, total]}}]};
+  with `regions`, also "regions": the KID with each region around the objects given back its real pixels;
 - step_<N>.png: the first `grid` generated images with their captions, each caption's checks marked.
 
 With `denoise_checkpoint` (scripts/evaluate.py --denoise): denoise_step_<N>.json (the table of denoise.py, with
@@ -23,6 +24,7 @@ from PIL import Image
 
 from reve_jax import checkpoint, config, sharding, train_state, viz
 from reve_jax.eval import alignment, denoise, quality
+from reve_jax.eval import regions as regions_lib
 
 
 def restore_ema(workdir: str | Path, step: int | None = None):
@@ -57,13 +59,15 @@ def score_checkpoint(
     grid: int = 32,
     log=print,
     sample: dict | None = None,
+    regions: bool = False,
     **evaluator_kwargs,
 ) -> tuple[dict, Path, Path]:
     """Scores checkpoint `step` (default: the newest) of `workdir` on `n` held-out captions with noise `seed`;
     `sample` overrides keys of the run's `sample` section (sampler, steps, cfg_scale: how the images are drawn, e.g.
-    {"steps": 48}); `evaluator_kwargs` go to quality.Evaluator (n_boot, cache_dir, dinov2_path, ...). Writes the
-    JSON and the PNG described in the module docstring (with the overrides in their names); returns (the JSON's
-    content, its path, the PNG's path)."""
+    {"steps": 48}); `regions`: also the KID with each region around the objects given back its real pixels
+    (regions.py; the JSON's "regions"); `evaluator_kwargs` go to quality.Evaluator (n_boot, cache_dir,
+    dinov2_path, ...). Writes the JSON and the PNG described in the module docstring (with the overrides in their
+    names); returns (the JSON's content, its path, the PNG's path)."""
     t0 = time.perf_counter()
     cfg, graphdef, ema, step, mesh = restore_ema(workdir, step)
     sample = {k: v for k, v in (sample or {}).items() if v is not None}
@@ -90,8 +94,10 @@ def score_checkpoint(
             {"index": int(i), "caption": c, "checks": r}
             for i, c, r in zip(ev.heldout["index"], captions, rows, strict=True)
         ],
-        "elapsed_s": time.perf_counter() - t0,
     }
+    if regions:
+        result["regions"] = regions_lib.by_region(ev, images)
+    result["elapsed_s"] = time.perf_counter() - t0
     out = Path(out_dir) if out_dir else Path(workdir) / "evaluation"
     out.mkdir(parents=True, exist_ok=True)
     name = f"step_{step}" + "".join(f"_{k}{v}" for k, v in sorted(sample.items()))
@@ -100,6 +106,8 @@ def score_checkpoint(
     k = min(grid, n)
     viz.save_checked_grid(png_path, images[:k], captions[:k], [{a: tuple(r[a]) for a in r} for r in rows[:k]])
     log(summary_line(metrics))
+    if regions:
+        log(regions_lib.format_table(result["regions"]))
     return result, json_path, png_path
 
 
