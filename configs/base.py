@@ -196,6 +196,10 @@ def get_config() -> ml_collections.ConfigDict:
     s.steps = 32
     s.cfg_scale = 3.0
     s.cfg_interval = (0.0, 1.0)  # apply CFG only for t in [lo, hi] (JiT's guidance interval)
+    # x-prediction: the sampler's velocity (x_hat - z) / max(1 - t, t_eps). 0 = exact, every step lands where the flow
+    # does (the last on x_hat); -1 = training's clamp diffusion.t_eps (JiT's sampler, and this project's before
+    # 2026-12-02), which under-steps each step that starts past t = 1 - diffusion.t_eps and leaves noise in the image
+    s.t_eps = 0.0
     s.route_guidance = 0.0  # routed self-guidance s: out = routed + s*(full - routed); 0 = off
     s.num = 16  # images in the training sample grid
     s.score_num = 64  # held-out captions the reader scores at each sample step and at the end (synthetic; 0 = off)

@@ -225,6 +225,11 @@ def validate(cfg: ml_collections.ConfigDict) -> None:
     lo, hi = cfg.sample.cfg_interval
     if not 0 <= lo <= hi <= 1:
         raise ConfigError(f"sample.cfg_interval={cfg.sample.cfg_interval} must satisfy 0 <= lo <= hi <= 1")
+    if not (0 <= cfg.sample.t_eps < 1 or cfg.sample.t_eps == -1):
+        raise ConfigError(
+            f"sample.t_eps={cfg.sample.t_eps} must lie in [0, 1) (0: the sampler's exact velocity) or be -1 "
+            f"(training's clamp, diffusion.t_eps)"
+        )
     if not cfg.ema.decays or not all(0 < x < 1 for x in cfg.ema.decays):
         raise ConfigError(f"ema.decays={cfg.ema.decays} must be a non-empty tuple of values in (0, 1)")
 
@@ -254,6 +259,7 @@ ADDED_KEYS = {
     "loss.repa_dim": 768,
     "loss.repa_hidden": 1024,
     "sample.score_num": 0,
+    "sample.t_eps": -1.0,  # runs before it sampled x-prediction with training's clamp, diffusion.t_eps
 }
 
 

@@ -112,26 +112,26 @@ def cfg_velocity(v_cond: jax.Array, v_uncond: jax.Array, t: jax.Array, scale: fl
 
 
 def sample(velocity: VelocityFn, noise: jax.Array, steps: int, sampler: str, shift: float = 1.0) -> jax.Array:
-    """Integrate from z_0 = noise to t = 1 with Euler or Heun (Heun's correction on every step but the last,
-    where v at t = 1 is not defined). `velocity(z, t[B])` returns v_hat. Returns the final z (the image)."""
+    """Integrate from z_0 = noise to t = 1 with Euler or Heun (Heun's correction on every step but the last: v at
+    t = 1 is never evaluated). `velocity(z, t[B])` returns v_hat. Returns the final z (the image)."""
     if sampler not in CHOICES["sample.sampler"]:
         raise ValueError(f"sample.sampler={sampler!r} is not one of {CHOICES['sample.sampler']}")
     ts = time_grid(steps, shift)
     b = noise.shape[0]
 
+    def euler(z, i):
+        v = velocity(z, jnp.full((b,), ts[i]))
+        return z + (ts[i + 1] - ts[i]) * v, v
+
     def step(z, i):
-        t, t_next = ts[i], ts[i + 1]
-        dt = t_next - t
-        v = velocity(z, jnp.full((b,), t))
-        z_euler = z + dt * v
+        z_euler, v = euler(z, i)
         if sampler == "euler":
             return z_euler, None
-        v_next = velocity(z_euler, jnp.full((b,), t_next))
-        z_heun = z + dt * 0.5 * (v + v_next)
-        return jnp.where(i < steps - 1, z_heun, z_euler), None
+        v_next = velocity(z_euler, jnp.full((b,), ts[i + 1]))
+        return z + (ts[i + 1] - ts[i]) * 0.5 * (v + v_next), None
 
-    z, _ = jax.lax.scan(step, noise, jnp.arange(steps))
-    return z
+    z, _ = jax.lax.scan(step, noise, jnp.arange(steps - 1))
+    return euler(z, steps - 1)[0]
 
 
 def downsample(images: jax.Array, factor: int) -> jax.Array:

@@ -56,6 +56,9 @@ def make_sampler(cfg, graphdef, *, steps=None, cfg_scale=None, sampler=None, rou
     route_s = s.route_guidance if route_guidance is None else route_guidance
     dcfg = cfg.diffusion
     guided = scale != 1.0
+    # x-prediction's velocity (x_hat - z) / max(1 - t, t_eps): the sampler's own clamp (sample.t_eps, 0 = exact: an
+    # Euler step to t = 1 lands on x_hat), or training's (-1), which under-steps every step from t > 1 - t_eps on
+    t_eps = s.t_eps if dcfg.prediction == "x" and s.t_eps >= 0 else dcfg.t_eps
 
     codec = latent.codec(cfg)
 
@@ -72,11 +75,11 @@ def make_sampler(cfg, graphdef, *, steps=None, cfg_scale=None, sampler=None, rou
             zz = jnp.concatenate([z, z], 0) if guided else z
             tt = jnp.concatenate([t, t], 0) if guided else t
             out, _ = model(zz, tt, text2, drop=drop)
-            _, v = diffusion.to_x_v(out, zz, tt, dcfg.prediction, dcfg.t_eps)
+            _, v = diffusion.to_x_v(out, zz, tt, dcfg.prediction, t_eps)
             if route_s:
                 # Routed self-guidance: the routed model is the weak branch, out = routed + s (full - routed).
                 out_r, _ = model(zz, tt, text2, drop=drop, route_key=jax.random.fold_in(key, 0))
-                _, v_r = diffusion.to_x_v(out_r, zz, tt, dcfg.prediction, dcfg.t_eps)
+                _, v_r = diffusion.to_x_v(out_r, zz, tt, dcfg.prediction, t_eps)
                 v = v_r + route_s * (v - v_r)
             if guided:
                 return diffusion.cfg_velocity(v[:b], v[b:], t, scale, s.cfg_interval)

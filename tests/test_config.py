@@ -50,6 +50,7 @@ def test_override_sets_typed_value():
         ("--config.optim.name=sgd", "optim.name='sgd' is not one of"),
         ("--config.model.route.keep_ratio=1.5", "keep_ratio"),
         ("--config.train.grad_accum=3", "multiple of train.grad_accum"),
+        ("--config.sample.t_eps=-0.1", "sample.t_eps=-0.1 must lie in"),
         ("model.depth", "must look like"),
     ],
 )

@@ -96,6 +96,48 @@ def test_samplers_reach_the_data_point_under_the_exact_velocity(sampler):
     np.testing.assert_allclose(out, target, atol=1e-4)
 
 
+@pytest.mark.parametrize("sampler", ["euler", "heun"])
+def test_an_x_predicting_sampler_lands_on_x_hat_unless_its_velocity_is_clamped(sampler):
+    """An x-prediction that is right at every step: the exact velocity (sample.t_eps = 0) lands on it at any step
+    count; training's clamp at t_eps = 0.05 under-steps every step that starts past t = 0.95 and leaves noise."""
+    target = jnp.asarray(np.random.default_rng(0).uniform(-1, 1, (3, 4, 4, 3)), jnp.float32)
+    noise = jax.random.normal(jax.random.key(0), target.shape)
+
+    def run(steps, t_eps):
+        def velocity(z, t):
+            return diffusion.to_x_v(target, z, t, "x", t_eps)[1]
+
+        return diffusion.sample(velocity, noise, steps, sampler)
+
+    for steps in (12, 20, 48):
+        np.testing.assert_allclose(run(steps, 0.0), target, atol=1e-5)
+    np.testing.assert_allclose(run(20, 0.05), target, atol=1e-5)  # no step starts past t = 0.95
+    left = np.abs(np.asarray(run(48, 0.05) - target)).mean() / np.abs(np.asarray(noise - target)).mean()
+    assert left > 0.01, left  # the clamped steps leave a share of the noise: 1.4% (Euler), 1.7% (Heun) at 48 steps
+
+
+def test_the_model_sampler_takes_its_clamp_from_sample_t_eps():
+    """sampling.make_sampler reads sample.t_eps for an x-predicting model: at 12 steps (none past t = 0.95) a clamp
+    at 0.05 changes nothing; at 24 it changes the images; -1 takes training's clamp."""
+    from flax import nnx
+    from util import tiny_config
+
+    from reve_jax import sampling, train_state
+
+    images = {}
+    for steps in (12, 24):
+        for t_eps in (0.0, 0.05, -1.0):  # -1: training's clamp, diffusion.t_eps
+            cfg = tiny_config("diffusion.prediction='x'", "diffusion.t_eps=0.05", "sample.sampler='euler'",
+                              f"sample.t_eps={t_eps}")  # fmt: skip
+            graphdef, params = nnx.split(train_state.build_model(cfg))
+            text = sampling.prompt_inputs(cfg, ["a small red circle in the center, on a white background"] * 2)
+            fn = sampling.make_sampler(cfg, graphdef, steps=steps)
+            images[steps, t_eps] = np.asarray(fn(nnx.to_pure_dict(params), text, sampling.fixed_noise(cfg, 2), None))
+    np.testing.assert_array_equal(images[12, 0.0], images[12, 0.05])
+    assert np.abs(images[24, 0.0] - images[24, 0.05]).max() > 1e-4
+    np.testing.assert_array_equal(images[24, -1.0], images[24, 0.05])
+
+
 def test_heun_is_more_accurate_than_euler_on_a_curved_flow():
     def velocity(z, t):  # dz/dt = -z t: z(1) = z(0) exp(-1/2)
         return -z * t[:, None]

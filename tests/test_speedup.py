@@ -326,3 +326,10 @@ def test_a_finished_run_is_reused_across_added_config_keys():
     saved = json.loads(config_lib.to_json(prx))
     saved["optim"]["muon_lr"] = 0.123
     assert prx.optim.name == "muon" and not speedup.same_config(json.dumps(saved), prx)
+    # the sampler's clamp: a run from before sample.t_eps sampled with training's (-1), which counts for an
+    # x-predicting method and not for a v-predicting one (baseline A's images do not depend on it)
+    for method, reused in (("recipe", False), ("latent", True)):
+        cfg = speedup.build_config(_size("cpu"), method, 0)
+        saved = json.loads(config_lib.to_json(cfg))
+        del saved["sample"]["t_eps"]
+        assert cfg.sample.t_eps == 0.0 and speedup.same_config(json.dumps(saved), cfg) is reused, method

@@ -119,10 +119,12 @@ def build_config(size: Protocol, method: str, seed: int, extra: tuple[str, ...] 
 
 def _read_keys(cfg_json: str) -> dict:
     """A config's JSON as a dict without the keys the run never read: Muon's settings (optim.muon_*) when the
-    optimizer is not Muon."""
+    optimizer is not Muon, the sampler's clamp (sample.t_eps) when the model does not predict x."""
     d = json.loads(cfg_json)
     if d["optim"]["name"] != "muon":
         d["optim"] = {k: v for k, v in d["optim"].items() if not k.startswith("muon_")}
+    if d["diffusion"]["prediction"] != "x":
+        d["sample"] = {k: v for k, v in d["sample"].items() if k != "t_eps"}
     return d
 
 
