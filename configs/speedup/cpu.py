@@ -1,6 +1,6 @@
 """Speedup benchmark, CPU size: the JIT-DDT recipe against a latent DiT (baseline A, Linum's comparison) on 32 px
 scenes of one object, 3 seeds of 2,000 steps: 75 minutes on 2 CPU cores (2026-12-01), 54 with the autoencoder
-cached (2026-12-02), over the 30 meant.
+cached (2026-12-02), over the 30 meant; at 1,000 steps baseline A fails the validity gate (docs/speedup.md).
 The recipe works in JiT's regime: 8 px patches, 16 image tokens of 192 values for a width-128 model; baseline A
 denoises the 16x16x8 latents of an autoencoder in 2x2 patches (64 tokens of 32 values), baseline B the pixels in
 4 px patches (64 tokens of 48 values). 3-block DiTs, batch 32, evaluated 20 times.
