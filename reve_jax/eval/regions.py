@@ -65,8 +65,8 @@ def by_region(ev: quality.Evaluator, images: np.ndarray) -> dict[str, dict[str, 
     out = {"generated": scores(generated)}
     for name, mask in regions.items():
         mixed = np.where(mask[..., None], real, generated)
-        out[name] = {**scores(mixed), "frac": float(mask.mean()), "abs_err": float(err[mask].mean()) if mask.any()
-                     else 0.0}  # fmt: skip
+        err_there = float(err[mask].mean()) if mask.any() else 0.0
+        out[name] = {**scores(mixed), "frac": float(mask.mean()), "abs_err": err_there}
     return out
 
 
