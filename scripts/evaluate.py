@@ -2,9 +2,10 @@
 real-vs-real floor, the controls, held-out v-loss; writes a JSON and a PNG grid with each caption's checks marked
 (reve_jax/eval/scoring.py, docs/evaluation.md).
 
-python scripts/evaluate.py --workdir runs/tiny [--step N] [--n 512] [--sampler heun --steps 48 --cfg-scale 2]
+python scripts/evaluate.py --workdir runs/tiny [--step N] [--n 512] [--sampler heun --steps 48 --cfg-scale 2 --t-eps 0]
 
-The sampler, its steps and the guidance scale are the run's unless given (the output files then name them).
+The sampler, its steps, the guidance scale and the sampler's clamp are the run's unless given (the output files
+then name them).
 With --regions: also where the images differ from the data, the KID with each region around the objects (interior,
 rim, ring, near, flat) given back its real pixels (reve_jax/eval/regions.py; the fixed rendering only).
 
@@ -39,6 +40,12 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, help="sampling steps (default: the run's sample.steps)")
     parser.add_argument("--cfg-scale", type=float, help="guidance scale (default: the run's sample.cfg_scale)")
     parser.add_argument(
+        "--t-eps",
+        type=float,
+        help="the sampler's x-prediction clamp, sample.t_eps: 0 exact, -1 training's (default: the run's; -1 for a "
+        "run saved before 2026-12-02)",
+    )
+    parser.add_argument(
         "--regions",
         action="store_true",
         help="also the KID with each region around the objects given back its real pixels (data.render='fixed')",
@@ -71,7 +78,7 @@ def main(argv=None):
         n_boot=args.boot,
         cache_dir=args.cache_dir,
         dinov2_path=args.dinov2,
-        sample={"sampler": args.sampler, "steps": args.steps, "cfg_scale": args.cfg_scale},
+        sample={"sampler": args.sampler, "steps": args.steps, "cfg_scale": args.cfg_scale, "t_eps": args.t_eps},
         regions=args.regions,
     )
     print(json_path)

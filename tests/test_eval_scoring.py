@@ -50,6 +50,10 @@ def test_evaluate_scores_a_trained_run(tmp_path):
     other = json.loads((tmp_path / "elsewhere" / f"step_2_sampler{sampler}_steps3.json").read_text())
     assert (other["config"]["sample"]["sampler"], other["config"]["sample"]["steps"]) == (sampler, 3)
     assert again["config"]["sample"]["steps"] != 3 and other["metrics"]["grain"] != again["metrics"]["grain"]
+    load_script("evaluate").main(["--workdir", str(workdir), "--n", "8", "--boot", "0", "--out", elsewhere,
+                                  "--t-eps", "-1"])  # fmt: skip
+    clamped = json.loads((tmp_path / "elsewhere" / "step_2_t_eps-1.0.json").read_text())
+    assert again["config"]["sample"]["t_eps"] == 0.0 and clamped["config"]["sample"]["t_eps"] == -1.0
     # --regions: the KID with each region's real pixels given back (tests/test_eval_regions.py checks what it finds)
     load_script("evaluate").main(["--workdir", str(workdir), "--n", "8", "--boot", "0", "--out", elsewhere,
                                   "--regions"])  # fmt: skip
