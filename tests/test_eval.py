@@ -238,3 +238,7 @@ def test_evaluate_returns_every_metric(tmp_path):
     assert real["align_overall"] == 1.0 and real["ctrl_real_align_overall"] == 1.0
     assert real["fd_shapes"] == pytest.approx(0.0, abs=1e-6) and real["fd_dinov2"] == pytest.approx(0.0, abs=1e-6)
     assert real["kid"] == pytest.approx(0.0, abs=1e-9) and real["kid_image"] == pytest.approx(0.0, abs=1e-9)
+    # Without the controls (the benchmark's final evaluation): the same floors, no control scored.
+    bare = quality.Evaluator(cfg, graphdef, 6, seed=0, dinov2_path=dino, n_boot=50, with_controls=False)
+    floors = {k: v for k, v in ev.fixed_metrics.items() if not k.startswith("ctrl_")}
+    assert floors and bare.fixed_metrics == floors

@@ -33,7 +33,7 @@ def control_images(ds: synthetic.SyntheticShapes, index, seed: int) -> dict[str,
     (see the module docstring); `seed` draws the single objects' cells."""
     index = [int(i) for i in index]
     rng = np.random.default_rng(seed)
-    out = {"real": np.stack([ds.image(i, variant=1) for i in index])}
+    out = {"real": real_images(ds, index)}
     others = [(min(index) - 1 - k) % ds.num_samples for k in range(len(index))]
     out["shuffled"] = np.stack([ds[i]["image"] for i in others])
     out["background"] = backgrounds(ds, index)
@@ -46,6 +46,11 @@ def control_images(ds: synthetic.SyntheticShapes, index, seed: int) -> dict[str,
     noise = NOISY_STD * 127.5 * rng.standard_normal(out["real"].shape)  # the std in [-1, 1], in uint8 levels
     out["noisy"] = np.rint(out["real"] + noise).clip(0, 255).astype(np.uint8)
     return out
+
+
+def real_images(ds: synthetic.SyntheticShapes, index) -> np.ndarray:
+    """The `real` control alone: another real image for each caption, uint8 [n, S, S, 3] (the real-vs-real floor)."""
+    return np.stack([ds.image(int(i), variant=1) for i in index])
 
 
 def backgrounds(ds: synthetic.SyntheticShapes, index) -> np.ndarray:

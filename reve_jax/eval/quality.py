@@ -113,7 +113,11 @@ class Evaluator:
             self.dino_stats = features.gaussian_stats(self.dino_fn(real))
         self.fixed_metrics: dict[str, float] = {}
         if with_controls or feature_spec is not None:
-            sets = controls.control_images(self.dataset, self.heldout["index"], seed + 2)
+            index = self.heldout["index"]  # without the controls only the floor's real images are drawn
+            if with_controls:
+                sets = controls.control_images(self.dataset, index, seed + 2)
+            else:
+                sets = {"real": controls.real_images(self.dataset, index)}
             if feature_spec is not None:  # the floors: a second real image per caption, with intervals
                 floor = self.image_metrics(sets["real"], alignment_too=False)
                 for space in self.spaces:
