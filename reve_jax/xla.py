@@ -81,9 +81,8 @@ def _cpu_invariant_key(get):
 
 
 @functools.cache
-def _cpu_signature() -> str:
-    """This machine's CPU model and instruction-set flags: XLA compiles CPU code for the host's features, so an
-    executable must not move to a machine without them."""
+def _cpu_info() -> tuple[str, str]:
+    """This machine's CPU model name and sorted instruction-set flags, from /proc/cpuinfo where there is one."""
     model, flags = "", ""
     try:
         with open("/proc/cpuinfo") as f:
@@ -93,7 +92,21 @@ def _cpu_signature() -> str:
                 elif line.startswith("flags") and not flags:
                     flags = " ".join(sorted(line.split(":", 1)[1].split()))
     except OSError:
+        pass
+    if not model:
         import platform
 
         model = platform.processor() or platform.machine()
+    return model, flags
+
+
+def cpu_model() -> str:
+    """This machine's CPU model name (e.g. "AMD EPYC 7B13"): what a CPU timing was measured on."""
+    return _cpu_info()[0]
+
+
+def _cpu_signature() -> str:
+    """This machine's CPU model and instruction-set flags: XLA compiles CPU code for the host's features, so an
+    executable must not move to a machine without them."""
+    model, flags = _cpu_info()
     return f"{model}|{flags}"

@@ -121,7 +121,7 @@ def main(argv=None):
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     out = Path(args.out)
     xla.enable_compile_cache(Path(args.cache or out / "cache") / "xla")
-    print(f"machine: {platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs", flush=True)
+    print(f"machine: {platform.node()}, {xla.cpu_model()}, {os.cpu_count()} CPUs", flush=True)
     kwargs = dict(extra=tuple(extra), cache_dir=args.cache, log=lambda s: print(s, flush=True))
     kwargs["evaluator_kwargs"] = {"dinov2_path": args.dinov2} if args.dinov2 else None
     try:

@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from reve_jax import xla
 from reve_jax.data import pipeline
 from reve_jax.eval import alignment, report, speedup
 
@@ -106,6 +107,18 @@ def test_report_gate_table_and_plot(tmp_path):
     md = report.markdown_table({"size": dataclasses.asdict(size), "runs": flat,
                                 "summary": speedup.summarize(size, flat)})  # fmt: skip
     assert "no speedup measurable" in md and "| JIT-DDT recipe | 2/2" not in md
+
+
+def test_report_names_the_machines_and_flags_a_mix():
+    """The report says which CPUs the runs trained on, and warns when reused runs mix machines."""
+    amd = {"cpu": "AMD EPYC 7B13", "cpus": 2, "devices": ["cpu"]}
+    intel = dict(amd, cpu="Intel(R) Xeon(R) Processor")
+    one = report.machines_line([{"machine_start": amd}, {"machine_start": amd}])
+    assert one == "Trained on: AMD EPYC 7B13, 2 CPUs, cpu (2 runs)."
+    mixed = report.machines_line([{"machine_start": amd}, {"machine_start": intel}, {}])
+    assert "AMD EPYC 7B13, 2 CPUs, cpu (1 run)" in mixed and "Intel(R) Xeon(R) Processor, 2 CPUs, cpu (1 run)" in mixed
+    assert "CPU model not recorded" in mixed and "not wall or CPU seconds" in mixed
+    assert speedup.machine()["cpu"] == xla.cpu_model() != ""
 
 
 def test_rescore_recomputes_alignment_from_saved_images(tmp_path):

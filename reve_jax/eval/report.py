@@ -41,6 +41,22 @@ def _order(methods, baseline: str) -> list[str]:
     return [baseline] * (baseline in methods) + [m for m in methods if m != baseline]
 
 
+def machines_line(runs: list[dict]) -> str:
+    """Which CPUs the runs trained on (from each run's `machine_start`): wall and CPU seconds compare only runs of
+    one machine, and a benchmark that reuses runs can mix them."""
+    counts: dict[str, int] = {}
+    for r in runs:
+        m = r.get("machine_start") or {}
+        devices = ", ".join(m.get("devices") or ["?"])
+        name = f"{m.get('cpu') or 'CPU model not recorded'}, {m.get('cpus', '?')} CPUs, {devices}"
+        counts[name] = counts.get(name, 0) + 1
+    line = "Trained on: " + "; ".join(f"{k} ({n} run{'s' * (n != 1)})" for k, n in counts.items()) + "."
+    if len(counts) > 1:
+        line += " **The runs trained on different machines: compare steps, samples and FLOPs, not wall or CPU "
+        line += "seconds.**"
+    return line
+
+
 def markdown_table(results: dict) -> str:
     """The gate, the time-to-target table (per cost, mean over seeds with a 95% bootstrap interval over seeds, and
     the paired speedup), finals, and the per-attribute alignment."""
@@ -49,6 +65,7 @@ def markdown_table(results: dict) -> str:
     lines = [f"Size `{size['name']}`: {size['steps']} steps per run, seeds {list(size['seeds'])}, evaluated every "
              f"{max(1, size['steps'] // size['evals'])} steps on {size['n_eval']} held-out captions "
              f"({size['n_final']} at the end). Intervals: 95% bootstrap over seeds.", ""]  # fmt: skip
+    lines += [machines_line(results.get("runs", [])), ""]
     gate = summary["gate"]
     lines.append(("Validity gate passed: " if gate["ok"] else "**") + gate["why"] + ("" if gate["ok"] else "**"))
     lines.append("")

@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from reve_jax import config as config_lib
-from reve_jax import flops, latent
+from reve_jax import flops, latent, xla
 from reve_jax.data import pipeline
 from reve_jax.eval import alignment, hook, target
 from reve_jax.eval.report import write_outputs
@@ -87,9 +87,11 @@ def load_protocol(path: str | Path) -> Protocol:
 
 
 def machine() -> dict:
-    """Where the benchmark ran: host, CPU count, JAX devices and the load average (other users' work counts)."""
+    """Where the benchmark ran: host, CPU model and count, JAX devices and the load average (other users' work
+    counts)."""
     return {
         "host": platform.node(),
+        "cpu": xla.cpu_model(),
         "cpus": os.cpu_count(),
         "devices": [d.device_kind for d in jax.devices()],
         "jax": jax.__version__,

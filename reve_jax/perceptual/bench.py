@@ -8,13 +8,13 @@ predicted image, weights frozen, compiled once. Random weights (the cost does no
 from __future__ import annotations
 
 import argparse
-import platform
 import time
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from reve_jax import xla
 from reve_jax.perceptual.dinov2 import PRESETS, DinoV2, DinoV2Config
 from reve_jax.perceptual.losses import dino_loss, lpips_loss
 from reve_jax.perceptual.vgg_lpips import LPIPS, VGG16_CHANNELS
@@ -76,8 +76,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=3)
     args = parser.parse_args()
     dev = jax.devices()[0]
-    cpu = platform.processor() or platform.machine()
-    print(f"# {cpu}, {dev.platform} {dev.device_kind}, {jax.device_count()} device(s), dtype {args.dtype}")
+    print(f"# {xla.cpu_model()}, {dev.platform} {dev.device_kind}, {jax.device_count()} device(s), dtype {args.dtype}")
     print("| term | batch | image | net input | compile s | loss+grad per step, ms | per sample, ms |")
     print("|---|---|---|---|---|---|---|")
     for r in bench(args.size, args.batch, args.image, jnp.dtype(args.dtype), args.iters):
