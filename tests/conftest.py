@@ -2,10 +2,7 @@
 
 import os
 
-from util import FAST_COMPILE  # util imports no JAX
-
-flags = os.environ.get("XLA_FLAGS", "")
-os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=8 {FAST_COMPILE}".strip()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402

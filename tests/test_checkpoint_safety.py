@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
-from util import FAST_COMPILE, TINY
+from util import TINY
 
 from reve_jax.checkpoint import (
     Checkpointer,
@@ -462,8 +462,9 @@ DISK_FULL_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("how", ["save", "stage"])
 def test_disk_full_is_one_line_and_the_run_resumes_once_space_is_freed(small_disk, how):
     workdir = small_disk / "run"
-    flags = f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}"
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+    env = dict(
+        os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8"
+    )
     proc = subprocess.run(
         [sys.executable, "-c", DISK_FULL_SCRIPT, str(workdir), how],
         capture_output=True,
@@ -498,7 +499,7 @@ def test_disk_full_is_one_line_and_the_run_resumes_once_space_is_freed(small_dis
 def _train(workdir, *extra, timeout=300):
     cmd = [sys.executable, "scripts/train.py", "--config", "configs/tiny.py", "--workdir", str(workdir)]
     cmd += [f"--config.{o}" for o in TINY] + list(extra)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {FAST_COMPILE}")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -573,7 +574,7 @@ def test_the_barrier_between_processes_times_out_instead_of_hanging():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS=FAST_COMPILE)
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS="")
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", BARRIER_SCRIPT, str(port), str(i)],

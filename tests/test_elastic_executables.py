@@ -7,8 +7,6 @@ import subprocess
 import sys
 import textwrap
 
-from util import FAST_COMPILE
-
 from reve_jax.elastic.backends import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,8 +39,7 @@ CHILD = textwrap.dedent(
 
 
 def run(n: int, devices: int, cache: str) -> list[str]:
-    flags = f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     port = str(free_port())
     procs = [
         subprocess.Popen([sys.executable, "-c", CHILD, str(n), str(i), port, cache], cwd=ROOT, env=env,

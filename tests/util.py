@@ -5,11 +5,6 @@ from pathlib import Path
 
 from reve_jax.config import apply_override, load_config, validate
 
-# XLA's CPU backend without its expensive optimisation passes: a third less compile time for the suite's many
-# small programs, the same results to float tolerance. conftest.py adds it to every test process; a test that
-# starts a JAX subprocess with its own XLA_FLAGS adds it there, so both sides of a comparison compile alike.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-
 TINY = [
     "model.width=32",
     "model.depth=2",
