@@ -25,7 +25,7 @@ FAKE = os.path.join(ROOT, "tests", "elastic_fake_worker.py")
 class Launcher:
     """`scripts/launch.py` running in its own process group, output to `<workdir>/launcher.log`."""
 
-    def __init__(self, workdir: str, hosts: int, args: list[str], script: str = FAKE, xla_flags: str = ""):
+    def __init__(self, workdir: str, hosts: int, args: list[str], script: str = FAKE):
         self.workdir = workdir
         os.makedirs(workdir, exist_ok=True)
         self.log = open(os.path.join(workdir, "launcher.log"), "ab")  # noqa: SIM115
@@ -42,7 +42,7 @@ class Launcher:
             script,
             *args,
         ]
-        env = dict(os.environ, XLA_FLAGS=xla_flags)  # the launcher adds each host's device count
+        env = dict(os.environ, XLA_FLAGS="")  # the launcher adds each host's device count
         self.proc = subprocess.Popen(
             argv, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -319,8 +319,6 @@ TINY = [
     "--config.train.peak_tflops=1", "--config.data.worker_threads=1",
 ]  # fmt: skip
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
-# Half the CPU compile time; both runs use it, so they stay comparable.
-FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 def _final_params(workdirs: list[str]) -> list[tuple[int, list]]:
@@ -342,7 +340,7 @@ def _final_params(workdirs: list[str]) -> list[tuple[int, list]]:
 
 def _train_reference(workdir: str) -> None:
     """One uninterrupted process with 8 devices: the same global batch and data order as 4 x 2."""
-    flags = f"--xla_force_host_platform_device_count=8 {FAST_COMPILE}"
+    flags = "--xla_force_host_platform_device_count=8"
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
     env.pop("REVE_NUM_PROCESSES", None)
     with open(os.path.join(os.path.dirname(workdir), "reference.log"), "wb") as log:
@@ -383,7 +381,7 @@ def test_real_trainer_kill_one_of_four_matches_uninterrupted_run(tmp_path, launc
     wd = str(tmp_path / "elastic")
     # The kill comes before a compile ahead could finish: it would only slow this test (test_elastic_netns times it).
     args = ["--heartbeat-timeout", "5", "--no-readmit", "--no-precompile", *TINY]
-    run = launched(wd, 4, args, script=TRAIN, xla_flags=FAST_COMPILE)
+    run = launched(wd, 4, args, script=TRAIN)
     wait_until(lambda: last_metric_step(wd) >= 4, 240, "step 4 of the trainer")
     t_kill = time.time()
     os.kill(worker_pid(wd, "local2"), signal.SIGKILL)
@@ -410,7 +408,7 @@ def test_real_trainer_resumes_from_peer_snapshots_after_a_kill(tmp_path, launche
         "--heartbeat-timeout", "5", "--no-readmit", "--no-precompile", *TINY, "--config.train.ckpt_every=100",
         "--config.elastic.snapshot_every=1", f"--config.elastic.snapshot_dir={shm}",
     ]  # fmt: skip
-    run = launched(wd, 4, args, script=TRAIN, xla_flags=FAST_COMPILE)
+    run = launched(wd, 4, args, script=TRAIN)
     wait_until(lambda: last_metric_step(wd) >= 4, 240, "step 4 of the trainer")
     os.kill(worker_pid(wd, "local2"), signal.SIGKILL)
     assert run.wait(300) == 0, run.output()

@@ -204,10 +204,10 @@ def test_slurm_job_loses_a_node_and_continues(tmp_path, slurm):
 
 
 # ------------------------------------------------------------------------------------------ the real trainer
-def compile_ahead(cache: str, devices: int, overrides: list[str], xla_flags: str) -> None:
+def compile_ahead(cache: str, devices: int, overrides: list[str]) -> None:
     """What the supervisor's compile-ahead job does, done before the run: one process with `devices` CPU
     devices compiles the step into `cache`."""
-    flags = f"{xla_flags} --xla_force_host_platform_device_count={devices}"
+    flags = f"--xla_force_host_platform_device_count={devices}"
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache, XLA_FLAGS=flags)
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     argv = [sys.executable, "-m", "reve_jax.elastic.precompile", "--config", "configs/tiny.py", *overrides]
@@ -220,18 +220,18 @@ def test_real_trainer_recovers_from_a_kill_on_warm_standbys_and_compiled_ahead(t
     by one process with 4 devices before the run, as the supervisor's compile-ahead job does during one (its job
     runs too, and finds it in the cache). Once every host has a warm standby, one host's worker is SIGKILLed: the
     new group is the standbys, it loads the step from the cache instead of compiling it, and trains on."""
-    from test_elastic_e2e import FAST_COMPILE, TINY, TRAIN
+    from test_elastic_e2e import TINY, TRAIN
 
     overrides = [a for a in TINY if not a.startswith(("--config.train.steps", "--config.train.ckpt_every"))]
     overrides += ["--config.train.steps=1000", "--config.train.ckpt_every=4"]
-    compile_ahead(str(tmp_path / "jax_cache"), 4, overrides, FAST_COMPILE)
+    compile_ahead(str(tmp_path / "jax_cache"), 4, overrides)
     with NetnsBed(3, str(tmp_path / "bed")) as bed:
         wd = str(tmp_path / "run")
         args = [
             "--remote-dir", ROOT, "--python", sys.executable, *[f"--ssh-arg={a}" for a in bed.ssh[1:]],
             "--devices-per-host", "2", "--heartbeat-timeout", "3", "--no-readmit", *overrides,
         ]  # fmt: skip
-        run = launched(wd, ",".join(bed.hosts), args, script=TRAIN, xla_flags=FAST_COMPILE)
+        run = launched(wd, ",".join(bed.hosts), args, script=TRAIN)
         wait_until(lambda: events(wd, "precompile") and events(wd, "standby_ready"), 240, "compile-ahead, standbys")
         assert events(wd, "precompile")[0]["hosts"] == 2 and events(wd, "precompile")[0]["code"] == 0
         victim = bed.hosts[1]
