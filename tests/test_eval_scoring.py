@@ -62,6 +62,18 @@ def test_evaluate_scores_a_trained_run(tmp_path):
     assert sum(table[r]["frac"] for r in regions.REGIONS) == pytest.approx(1.0)
 
 
+def test_summary_line_prints_intervals_only_where_bootstrapped():
+    from reve_jax.eval.scoring import summary_line
+
+    m = {f"align_{a}": 0.5 for a in (*alignment.ATTRIBUTES, "overall", "exact")}
+    m |= {"kid": 0.05, "kid_floor": 0.001, "vloss": 0.1}
+    assert "nan" not in summary_line(m) and "[" not in summary_line(m)  # --boot 0: values only
+    m |= {"align_overall_lo": 0.4, "align_overall_hi": 0.6, "kid_lo": 0.04, "kid_hi": 0.06}
+    line = summary_line(m)
+    assert "align_overall 0.500 [0.400, 0.600]" in line and "kid 0.0500 [0.0400, 0.0600]" in line
+    assert "align_shape 0.500  " in line and "nan" not in line
+
+
 def test_grain_reads_pixel_noise_not_edges():
     """The grain diagnostic: 0 on the fixed rendering's scenes (flat backgrounds, sharp objects: a median ignores
     the edges), rising with added pixel noise of std s in [-1, 1] at about 1.75 s (the median |Laplacian| of white

@@ -137,13 +137,15 @@ def denoise_checkpoint(
 
 
 def summary_line(m: dict) -> str:
-    """One line per metric family: value [95% interval], with the floor and the controls beside KID."""
+    """One line per metric family: value [95% interval] (no interval without bootstrap resamples), with the floor
+    and the controls beside KID."""
 
     def ci(name, fmt="{:.3f}"):
         if name not in m:
             return ""
         lo, hi = m.get(f"{name}_lo", np.nan), m.get(f"{name}_hi", np.nan)
-        return f"{name} {fmt.format(m[name])} [{fmt.format(lo)}, {fmt.format(hi)}]"
+        interval = f" [{fmt.format(lo)}, {fmt.format(hi)}]" if np.isfinite(lo) and np.isfinite(hi) else ""
+        return f"{name} {fmt.format(m[name])}{interval}"
 
     parts = [ci(f"align_{a}") for a in (*alignment.ATTRIBUTES, "overall", "exact")]
     lines = ["  ".join(parts[:4]), "  ".join(parts[4:])]
