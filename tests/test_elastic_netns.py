@@ -166,7 +166,10 @@ def slurm(tmp_path):
 
     if SlurmCluster.unavailable():
         pytest.skip(SlurmCluster.unavailable())
-    with NetnsBed(3, str(tmp_path / "bed")) as b, SlurmCluster(b, str(tmp_path / "slurm")) as cluster:
+    # A root deeper than a Unix socket's path may be (pytest-xdist's worker directories made one): the cluster keeps
+    # its sockets elsewhere.
+    root = tmp_path / ("deep" * 20) / "slurm"
+    with NetnsBed(3, str(tmp_path / "bed")) as b, SlurmCluster(b, str(root)) as cluster:
         yield b, cluster
 
 

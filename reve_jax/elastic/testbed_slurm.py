@@ -1,7 +1,9 @@
 """A SLURM cluster on the namespace test bed: one slurmctld on this machine (the bridge address), one slurmd per
 namespace host (node name = the namespace's name), one munged for all of them (munge authenticates through a
 local socket, which the namespaces share), all with files under `root` and ports of their own, so nothing
-touches a system SLURM or munge.
+touches a system SLURM or munge. The sockets (munge's, and those slurmstepd makes in each node's spool directory)
+live in a short private directory under /tmp instead: a Unix socket's path has at most 107 bytes, which a deep
+`root` (pytest's per-worker temporary directories) exceeds.
 
     with NetnsBed(3, d) as bed, SlurmCluster(bed, d + "/slurm") as cluster:
         cluster.env                               # SLURM_CONF=...: for sbatch, srun, squeue, scontrol
@@ -19,6 +21,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 
 from reve_jax.elastic.testbed import NetnsBed
@@ -31,7 +34,7 @@ class SlurmCluster:
         self.conf = os.path.join(self.root, "slurm.conf")
         self.env = {**os.environ, "SLURM_CONF": self.conf}
         self._procs: list[subprocess.Popen] = []
-        self._munge_socket = os.path.join(self.root, "munge.sock")
+        self._sockets = ""  # the short directory for sockets and spools, made by start()
 
     @staticmethod
     def unavailable() -> str:
@@ -49,8 +52,13 @@ class SlurmCluster:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    @property
+    def _munge_socket(self) -> str:
+        return os.path.join(self._sockets, "munge.sock")
+
     def start(self, timeout: float = 60.0) -> None:
         os.makedirs(os.path.join(self.root, "state"), exist_ok=True)
+        self._sockets = tempfile.mkdtemp(prefix="rvslurm", dir="/tmp")  # mode 0700
         os.chmod(self.root, 0o700)  # munged refuses a key in a directory others can write
         key = os.path.join(self.root, "munge.key")
         with open(key, "wb") as f:
@@ -65,7 +73,7 @@ class SlurmCluster:
         self._write_conf()
         self._daemon(["slurmctld", "-D", "-i", "-f", self.conf], "slurmctld.out")
         for i, node in enumerate(self.nodes):
-            os.makedirs(os.path.join(self.root, f"spool_{node}"), exist_ok=True)
+            os.makedirs(os.path.join(self._sockets, f"spool_{node}"), exist_ok=True)
             self._daemon(self.bed.in_host(i, ["slurmd", "-D", "-N", node, "-f", self.conf]), f"slurmd_{node}.out")
         deadline = time.monotonic() + timeout
         while True:
@@ -90,7 +98,7 @@ class SlurmCluster:
                 f"SlurmctldPort={port}\nSlurmdPort={port + 1}\n"
                 f"AuthType=auth/munge\nCredType=cred/munge\nAuthInfo=socket={self._munge_socket}\n"
                 "SlurmUser=root\nSlurmdUser=root\nMailProg=/bin/true\n"
-                f"StateSaveLocation={self.root}/state\nSlurmdSpoolDir={self.root}/spool_%n\n"
+                f"StateSaveLocation={self.root}/state\nSlurmdSpoolDir={self._sockets}/spool_%n\n"
                 f"SlurmctldPidFile={self.root}/slurmctld.pid\nSlurmdPidFile={self.root}/slurmd_%n.pid\n"
                 f"SlurmctldLogFile={self.root}/slurmctld.log\nSlurmdLogFile={self.root}/slurmd_%n.log\n"
                 # No cgroups, accounting or MPI: processes are tracked by their parent, steps share CPUs.
@@ -123,7 +131,7 @@ class SlurmCluster:
         return out or self.run(["scontrol", "show", "job", job], check=False).stdout.partition("JobState=")[2][:9]
 
     def close(self) -> None:
-        """Stops every daemon started here (their process groups) and munged."""
+        """Stops every daemon started here (their process groups) and munged, and removes the socket directory."""
         for proc in self._procs:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -132,3 +140,6 @@ class SlurmCluster:
         self._procs = []
         with contextlib.suppress(OSError, ValueError), open(os.path.join(self.root, "munged.pid")) as f:
             os.kill(int(f.read().strip()), signal.SIGTERM)
+        if self._sockets:
+            shutil.rmtree(self._sockets, ignore_errors=True)
+            self._sockets = ""
