@@ -6,7 +6,8 @@ report "Future exception was never retrieved" for pending chunks, tensorstore ca
 While a save or restore of a watched directory is in flight, error records that mention the directory and those
 unraisables are held; if the operation succeeds they are replayed unchanged, if it fails they are dropped
 (CheckpointSaveError or the restore error reports it), as is later noise about the failed step (and, after a
-failure, the unraisables that name no path). Anything else passes through.
+failure, the unraisables and Orbax's own error records that name no path: an OSError such as "[Errno 28] No space
+left on device" raised by a metadata write names no file). Anything else passes through.
 
 Use: `w = watch(directory)` once per Checkpointer; `w.begin()` before each save or restore, `w.end(ok, step)`
 when its outcome is known, `w.close()` with the Checkpointer.
@@ -116,9 +117,10 @@ class NoiseFilter:
             text = record.getMessage()
             if record.exc_info:
                 text += logging.Formatter().formatException(record.exc_info)
+            orbax_noise = f"{os.sep}orbax{os.sep}" in (record.pathname or "")  # logged by Orbax itself
         except Exception:
             return True
-        return not self._claim(text, False, "log", record)
+        return not self._claim(text, orbax_noise, "log", record)
 
     def unraisable(self, u):
         try:
