@@ -62,6 +62,11 @@ class Watch:
             self.hub.remove(self)
 
 
+def _in_orbax(filename: str | None) -> bool:
+    """Whether a source file (a log record's caller, a coroutine's code) is Orbax's own."""
+    return f"{os.sep}orbax{os.sep}" in (filename or "")
+
+
 class NoiseFilter:
     """The process's filter: a logging.Filter on the absl and asyncio loggers and the sys.unraisablehook.
     One per process (the hooks are process-wide), installed by the first `watch`."""
@@ -117,7 +122,7 @@ class NoiseFilter:
             text = record.getMessage()
             if record.exc_info:
                 text += logging.Formatter().formatException(record.exc_info)
-            orbax_noise = f"{os.sep}orbax{os.sep}" in (record.pathname or "")  # logged by Orbax itself
+            orbax_noise = _in_orbax(record.pathname)  # logged by Orbax itself
         except Exception:
             return True
         return not self._claim(text, orbax_noise, "log", record)
@@ -127,7 +132,7 @@ class NoiseFilter:
             exc, obj = u.exc_value, u.object
             code = getattr(obj, "cr_code", None) or getattr(obj, "gi_code", None)
             orbax_noise = (isinstance(exc, RuntimeError) and "Event loop is closed" in str(exc)) or (
-                code is not None and f"{os.sep}orbax{os.sep}" in code.co_filename
+                code is not None and _in_orbax(code.co_filename)
             )
             claimed = bool(self.watches) and self._claim(f"{exc} {u.err_msg}", orbax_noise, "unraisable", u)
         except Exception:  # at interpreter exit almost anything can fail; never lose the report then
