@@ -58,6 +58,8 @@ def _data_key(cfg) -> dict:
     seeds: see `train`)."""
     keys = ("name", "path", "image_size", "num_samples", "max_objects", "min_objects", "render", "shapes")
     data = {k: cfg.data[k] for k in keys if k in cfg.data}
+    if cfg.data.get("colors"):  # the palette, keyed only when restricted: the keys of full-palette caches stand
+        data["colors"] = cfg.data.colors
     data = {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
     return {"data": data, "latent": {k: v for k, v in cfg.latent.to_dict().items() if k != "path"}}
 

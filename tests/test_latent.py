@@ -114,6 +114,9 @@ def test_one_autoencoder_per_dataset_whatever_the_runs_seeds():
     assert latent.cache_key(a) == latent.cache_key(b)
     assert latent.cache_key(a) != latent.cache_key(tiny_config(*AE, "data.max_objects=2"))
     assert latent.cache_key(a) != latent.cache_key(tiny_config(*AE, "latent.channels=8"))
+    palette = tiny_config(*AE, "data.colors=('red','green','blue')")  # an autoencoder that never saw the others
+    assert latent.cache_key(a) != latent.cache_key(palette)
+    assert latent.cache_key(palette) != latent.cache_key(tiny_config(*AE, "data.colors=('red','green','white')"))
     short = ("latent.train_steps=3", "latent.train_batch=4")
     ma, _ = latent.train(tiny_config(*AE, *short, "seed=1", "data.seed=1"), log_every=0)
     mb, _ = latent.train(tiny_config(*AE, *short, "seed=2", "data.seed=5"), log_every=0)
