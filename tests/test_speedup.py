@@ -15,7 +15,7 @@ from reve_jax import xla
 from reve_jax.data import pipeline
 from reve_jax.eval import alignment, report, speedup
 
-SIZES = {name: f"configs/speedup/{name}.py" for name in ("cpu", "gpu")}
+SIZES = {name: f"configs/speedup/{name}.py" for name in ("cpu", "cpu30", "gpu")}
 
 
 def _size(name):

@@ -1,0 +1,46 @@
+"""Speedup benchmark, the CPU size calibrated for a 30-minute headline: the `cpu` size's models, batch and methods on
+a smaller vocabulary (4 colors, 3 shapes, one object on 32 px), where baseline A learns in 1,000 steps (on the full
+vocabulary it needs 1,500-2,000: at 1,000 it failed the validity gate on seed 1 at every LR, docs/speedup.md).
+10 evaluations of 128 held-out captions, the final one on 256; its own autoencoder (the `cpu` size's settings,
+trained once on this data and cached).
+
+    python scripts/bench_speedup.py --size cpu30 --out runs/speedup_cpu30                       # the headline
+    python scripts/bench_speedup.py --size cpu30 --out runs/sweep_cpu30 --sweep --methods latent --seeds 0,1
+
+`get_config(method)`: a method of configs/recipe/common.py, as in configs/speedup/cpu.py.
+FROZEN: baseline A's and the recipe's rates and guidance from this size's own sweep (docs/speedup.md); the other
+methods keep the `cpu` size's, not swept on this data.
+"""
+
+from configs.recipe import common
+from configs.speedup import cpu, shared
+from reve_jax.eval.speedup import Protocol
+
+PROTOCOL = Protocol(
+    name="cpu30",
+    steps=1000,
+    seeds=(0, 1, 2),
+    evals=10,
+    n_eval=128,
+    n_final=256,
+    baseline="latent",
+    methods=("recipe",),
+    further=cpu.PROTOCOL.further,
+    cfg_scales=cpu.PROTOCOL.cfg_scales,
+)
+# The vocabulary: the palette's most distinct colors (backgrounds and objects) and the three shapes of distinct
+# symmetry (the reader's least confusable).
+TASK = ("data.colors=('red','green','blue','white')", "data.shapes=('circle','square','triangle')")
+FROZEN = {
+    **cpu.FROZEN,
+    # the sweeps of 2026-12-03 (runs/probe30, 1,000 steps, final alignment on 256 captions):
+    "latent": {"lr": 2e-3, "cfg_scale": 3.0},
+    "recipe": {"lr": 1e-3, "cfg_scale": 1.5},
+}
+
+
+def get_config(method=None):
+    method = method or "recipe"
+    train = (*shared.cpu_train(batch=32), *cpu.OWN_TOKENS.get(method, ()))
+    model = (*shared.cpu_model(image_size=32, patch=8), *TASK)
+    return common.method_config("tiny", model, train, method, FROZEN)
