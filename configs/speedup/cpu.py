@@ -64,7 +64,11 @@ FROZEN = {  # the sweep of 2026-12-01 (runs/sweep_cpu2; docs/speedup.md has its 
 OWN_TOKENS = {"latent": ("model.patch=2",)}
 
 
-def get_config(method=None):
-    method = method or "recipe"
+def method_config(method: str, frozen: dict, data: tuple[str, ...] = ()):
+    """A method's run on this size's models and batch, with `frozen`'s rates and `data` overrides (cpu30's task)."""
     train = (*shared.cpu_train(batch=32), *OWN_TOKENS.get(method, ()))
-    return common.method_config("tiny", shared.cpu_model(image_size=32, patch=8), train, method, FROZEN)
+    return common.method_config("tiny", (*shared.cpu_model(image_size=32, patch=8), *data), train, method, frozen)
+
+
+def get_config(method=None):
+    return method_config(method or "recipe", FROZEN)

@@ -12,8 +12,7 @@ FROZEN: baseline A's and the recipe's rates and guidance from this size's own sw
 methods keep the `cpu` size's, not swept on this data.
 """
 
-from configs.recipe import common
-from configs.speedup import cpu, shared
+from configs.speedup import cpu
 from reve_jax.eval.speedup import Protocol
 
 PROTOCOL = Protocol(
@@ -43,7 +42,4 @@ FROZEN = {
 
 
 def get_config(method=None):
-    method = method or "recipe"
-    train = (*shared.cpu_train(batch=32), *cpu.OWN_TOKENS.get(method, ()))
-    model = (*shared.cpu_model(image_size=32, patch=8), *TASK)
-    return common.method_config("tiny", model, train, method, FROZEN)
+    return cpu.method_config(method or "recipe", FROZEN, TASK)
