@@ -6,7 +6,10 @@
     python -m reve_jax.eval.figures kid [--sizes 32] [--n 512] [--max-objects 3]
 
 Every image set is drawn from the held-out end of the dataset (data.seed 0, the last n indices), as the Evaluator
-draws it; degradations are seeded, so every run prints the same numbers.
+draws it; degradations are seeded, so every run prints the same numbers. The dataset options (--max-objects,
+--render, --shapes, --colors) apply to the reader, controls and kid tables alike (a benchmark size's data:
+`--max-objects 1 --render fixed` for the `cpu` size, with `--colors red,green,blue,white --shapes
+circle,square,triangle` for `cpu30`).
 """
 
 from __future__ import annotations
@@ -49,9 +52,10 @@ DEGRADATIONS = {
 }
 
 
-def heldout(size: int, n: int, max_objects: int = 3, render: str = "jitter"):
-    """(dataset, held-out index [n], images uint8 [n, S, S, 3], scenes) as the Evaluator draws them."""
-    ds = synthetic.SyntheticShapes(size, 1_000_000, 0, max_objects, render=render)
+def heldout(size: int, n: int, max_objects: int = 3, render: str = "jitter", *, shapes=(), colors=()):
+    """(dataset, held-out index [n], images uint8 [n, S, S, 3], scenes) as the Evaluator draws them; shapes and
+    colors restrict the vocabulary as data.shapes / data.colors do (() = all)."""
+    ds = synthetic.SyntheticShapes(size, 1_000_000, 0, max_objects, render=render, shapes=shapes, colors=colors)
     index = np.arange(len(ds) - n, len(ds))
     return ds, index, np.stack([ds[int(i)]["image"] for i in index]), [ds.scene(int(i)) for i in index]
 
@@ -64,11 +68,12 @@ def _row(label, r, extra=""):
 _HEAD = "| background | count | position | color | shape | size | overall | exact |"
 
 
-def reader_table(sizes, n, max_objects=3, render="jitter", names=tuple(DEGRADATIONS)) -> str:
-    """The reader's scores per size and degradation, with its speed on the clean images."""
-    out = [f"| size, images | {_HEAD[2:]} ms/image |", "|---" * 10 + "|---|"]
+def reader_table(sizes, n, names=tuple(DEGRADATIONS), **data) -> str:
+    """The reader's scores per size and degradation, with its speed on the clean images; `data`: heldout's
+    dataset options."""
+    out = [f"| size, images | {_HEAD[2:]} ms/image |", "|---" * 10 + "|"]
     for size in sizes:
-        _, _, images, scenes = heldout(size, n, max_objects, render)
+        _, _, images, scenes = heldout(size, n, **data)
         for name in names:
             label, fn = DEGRADATIONS[name]
             x = fn(images, size)
@@ -79,12 +84,13 @@ def reader_table(sizes, n, max_objects=3, render="jitter", names=tuple(DEGRADATI
     return "\n".join(out)
 
 
-def controls_table(sizes, n, max_objects=3) -> str:
-    """Alignment of the controls (controls.py) with 95% bootstrap intervals of align_overall."""
+def controls_table(sizes, n, **data) -> str:
+    """Alignment of the controls (controls.py) with 95% bootstrap intervals of align_overall; `data`: heldout's
+    dataset options."""
     out = [f"| size, control | {_HEAD[2:]} overall 95% |", "|---" * 10 + "|"]
     w = bootstrap.counts(n, 1000, seed=0)
     for size in sizes:
-        ds, index, images, scenes = heldout(size, n, max_objects)
+        ds, index, images, scenes = heldout(size, n, **data)
         for name, x in {"held-out real": images, **controls.control_images(ds, index, seed=0)}.items():
             checks = alignment.check_batch(alignment.read_batch(x), scenes)
             lo, hi = bootstrap.interval(bootstrap.alignment_samples(checks, w)["align_overall"])
@@ -113,15 +119,15 @@ def features_table(n: int) -> str:
     return "\n".join(out)
 
 
-def kid_table(sizes, n, max_objects=3) -> str:
+def kid_table(sizes, n, **data) -> str:
     """KID (joint and image-only) of the controls and of wrong images against the held-out real set, with the
-    real-vs-real floor and 95% bootstrap intervals (x 1000 for reading)."""
+    real-vs-real floor and 95% bootstrap intervals (x 1000 for reading); `data`: heldout's dataset options."""
     model, _ = features.get_feature_net(features.DEFAULT_SPEC)
     fn = features.make_feature_fn(model)
     w = bootstrap.counts(n, 500, seed=0)
     out = ["| size, set | KID x1e3 (joint) | 95% | KID x1e3 (image) | 95% | FD |", "|---" * 6 + "|"]
     for size in sizes:
-        ds, index, images, scenes = heldout(size, n, max_objects)
+        ds, index, images, scenes = heldout(size, n, **data)
         codes = kid.scene_codes(scenes)
         f_real = fn(images)
         spaces = {"joint": kid.Space.fit(f_real, codes), "image": kid.Space.fit(f_real)}
@@ -160,6 +166,10 @@ def all_circles(scene):
     return dataclasses.replace(scene, objects=tuple(dataclasses.replace(o, shape="circle") for o in scene.objects))
 
 
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(t.strip() for t in text.split(",") if t.strip())
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("figure", choices=("reader", "controls", "features", "kid"))
@@ -167,16 +177,19 @@ def main(argv=None):
     p.add_argument("--n", type=int, default=512)
     p.add_argument("--max-objects", type=int, default=3)
     p.add_argument("--render", default="jitter", choices=synthetic.RENDERS)
+    p.add_argument("--shapes", default="", help="comma-separated shapes (data.shapes; default: all)")
+    p.add_argument("--colors", default="", help="comma-separated palette colors (data.colors; default: all)")
     a = p.parse_args(argv)
+    data = dict(max_objects=a.max_objects, render=a.render, shapes=_names(a.shapes), colors=_names(a.colors))
     sizes = [int(s) for s in (a.sizes or ("16,24,32,64,128" if a.figure == "reader" else "32")).split(",")]
     if a.figure == "reader":
-        print(reader_table(sizes, a.n, a.max_objects, a.render))
+        print(reader_table(sizes, a.n, **data))
     elif a.figure == "controls":
-        print(controls_table(sizes, a.n, a.max_objects))
+        print(controls_table(sizes, a.n, **data))
     elif a.figure == "features":
         print(features_table(a.n))
     else:
-        print(kid_table(sizes, a.n, a.max_objects))
+        print(kid_table(sizes, a.n, **data))
 
 
 if __name__ == "__main__":
