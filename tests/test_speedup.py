@@ -109,6 +109,11 @@ def test_report_gate_table_and_plot(tmp_path):
     assert "no speedup measurable" in md and "| JIT-DDT recipe | 2/2" not in md
 
 
+def test_kid_axis_is_logarithmic_unless_a_value_is_not_positive():
+    assert report.kid_scale([0.03, 4.5]) == ("log", {})
+    assert report.kid_scale([0.03, -0.0002, 0.0]) == ("symlog", {"linthresh": 1e-3})
+
+
 def test_report_names_the_machines_and_flags_a_mix():
     """The report says which CPUs the runs trained on, and warns when reused runs mix machines."""
     amd = {"cpu": "AMD EPYC 7B13", "cpus": 2, "devices": ["cpu"]}

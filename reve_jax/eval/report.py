@@ -126,6 +126,13 @@ def _mean_curve(runs: list[dict], key: str, metric: str):
     return xs, ys
 
 
+def kid_scale(values) -> tuple:
+    """The y scale of a KID plot: log while every value is positive, else symlog, linear within 1e-3 of 0 (the
+    unbiased estimator goes below 0 near the floor); a symlog axis of positive values wastes half the plot on
+    negatives."""
+    return ("log", {}) if min(values, default=1.0) > 0 else ("symlog", {"linthresh": 1e-3})
+
+
 def plot(results: dict, path: str | Path, metrics=("align_overall", "kid")) -> Path:
     """Quality (rows: `metrics`) against training wall clock and against steps (columns); per method the mean over
     seeds in bold and each seed thin; the baseline's final (mean over seeds) dashed."""
@@ -156,7 +163,8 @@ def plot(results: dict, path: str | Path, metrics=("align_overall", "kid")) -> P
             ax.set_xlabel("training wall clock (s)" if key == "wall_s" else "training steps")
             ax.set_ylabel(metric)
             if metric == "kid":
-                ax.set_yscale("symlog", linthresh=1e-3)
+                scale, kw = kid_scale([p[metric] for r in runs for p in r["curve"] if metric in p])
+                ax.set_yscale(scale, **kw)
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.suptitle(f"speedup benchmark, size {results['size']['name']}")
