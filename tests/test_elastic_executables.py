@@ -69,7 +69,10 @@ def test_one_process_compiles_ahead_for_a_two_process_job(tmp_path):
 def test_a_two_process_job_writes_one_entry_both_can_load(tmp_path):
     cache = str(tmp_path / "cache")
     first = run(2, 2, cache)
-    assert first[0].startswith("hits 0 misses 1") and first[1].startswith("hits 0 misses 0")  # 1 got 0's
+    assert first[0].startswith("hits 0 misses 1"), first  # process 0 compiled
+    # Process 1 never compiles: it receives process 0's executable, or (when process 0 wrote the entry before
+    # process 1 looked it up) loads it from the cache: which of the two is a race between the processes.
+    assert first[1].startswith(("hits 0 misses 0", "hits 1 misses 0")), first
     assert first[0].split()[-1] == first[1].split()[-1]
     assert len(os.listdir(cache)) == 1  # process 0 compiled and shared it; the key is the same on both
     again = run(2, 2, cache)
