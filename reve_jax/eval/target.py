@@ -57,18 +57,21 @@ def budget(curve: list[dict]) -> dict:
 
 
 def bootstrap(values: list[float], stat=np.mean, n: int = 10_000, seed: int = 0, level: float = 0.95):
-    """(statistic, low, high): `stat` of `values` and its percentile bootstrap interval over resamples of them."""
+    """(statistic, low, high): `stat` of `values` and its percentile bootstrap interval over resamples of them.
+    `stat(x, axis)` reduces an axis (np.mean, geomean): the `n` resamples are drawn as one [n, len(values)] array,
+    the same draws, in the same order, as `n` successive resamples."""
     v = np.asarray(values, np.float64)
     if len(v) == 0:
         return (float("nan"),) * 3
     rng = np.random.default_rng(seed)
-    draws = np.array([stat(v[rng.integers(0, len(v), len(v))]) for _ in range(n)])
+    draws = stat(v[rng.integers(0, len(v), (n, len(v)))], axis=1)
     lo, hi = np.percentile(draws, [100 * (1 - level) / 2, 100 * (1 + level) / 2])
     return float(stat(v)), float(lo), float(hi)
 
 
-def geomean(v) -> float:
-    return float(np.exp(np.mean(np.log(np.asarray(v, np.float64)))))
+def geomean(v, axis=None):
+    """The geometric mean of `v` (over `axis`; all of it by default)."""
+    return np.exp(np.mean(np.log(np.asarray(v, np.float64)), axis=axis))
 
 
 def paired(runs: list[dict], baseline: str, metric: str = "align_overall", sustain: int = SUSTAIN) -> dict:
