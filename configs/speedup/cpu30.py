@@ -8,8 +8,8 @@ trained once on this data and cached).
     python scripts/bench_speedup.py --size cpu30 --out runs/sweep_cpu30 --sweep --methods latent --seeds 0,1
 
 `get_config(method)`: a method of configs/recipe/common.py, as in configs/speedup/cpu.py.
-FROZEN: baseline A's and the recipe's rates and guidance from this size's own sweep (docs/speedup.md); the other
-methods keep the `cpu` size's, not swept on this data.
+FROZEN: baseline A's, baseline B's and the recipe's rates and guidance from this size's own sweeps (docs/speedup.md;
+baseline B's confirmed the `cpu` size's values); the other methods keep the `cpu` size's, not swept on this data.
 """
 
 from configs.speedup import cpu
@@ -38,6 +38,9 @@ FROZEN = {
     # 0.757, 2e-3 0.617; guidance at 1e-3: 0.712 / 0.757 / 0.684 / 0.436.
     "latent": {"lr": 2e-3, "cfg_scale": 2.0},
     "recipe": {"lr": 1e-3, "cfg_scale": 1.5},
+    # baseline B on seeds 0 and 1 (runs/sweep_b30, 2026-12-03): 2e-3 0.370 / 0.289, 4e-3 0.466 / 0.262, 8e-3 0.271 /
+    # 0.264 (means 0.329, 0.364, 0.268); guidance 1 / 1.5 / 2 / 3 at 4e-3: 0.341 / 0.363 / 0.364 / 0.357.
+    "pixel": {"lr": 4e-3, "cfg_scale": 2.0},
 }
 
 
