@@ -8,8 +8,9 @@ trained once on this data and cached).
     python scripts/bench_speedup.py --size cpu30 --out runs/sweep_cpu30 --sweep --methods latent --seeds 0,1
 
 `get_config(method)`: a method of configs/recipe/common.py, as in configs/speedup/cpu.py.
-FROZEN: baseline A's, baseline B's and the recipe's rates and guidance from this size's own sweeps (docs/speedup.md;
-baseline B's confirmed the `cpu` size's values); the other methods keep the `cpu` size's, not swept on this data.
+FROZEN: baseline A's, baseline B's, the recipe's and the PRX variant's rates and guidance from this size's own sweeps
+(docs/speedup.md; baseline B's confirmed the `cpu` size's values); an ablation takes its method's (`recipe-<t>` the
+recipe's, `prx-<t>` the PRX variant's), the other further methods the `cpu` size's, not swept on this data.
 """
 
 from configs.speedup import cpu
@@ -41,6 +42,12 @@ FROZEN = {
     # baseline B on seeds 0 and 1 (runs/sweep_b30, 2026-12-03): 2e-3 0.370 / 0.289, 4e-3 0.466 / 0.262, 8e-3 0.271 /
     # 0.264 (means 0.329, 0.364, 0.268); guidance 1 / 1.5 / 2 / 3 at 4e-3: 0.341 / 0.363 / 0.364 / 0.357.
     "pixel": {"lr": 4e-3, "cfg_scale": 2.0},
+    # the PRX variant on seeds 0 and 1 (2026-12-04), one rate at a time as on the `cpu` size: the AdamW group's with
+    # Muon's at 2e-3 (runs/sweep_prx30: 5e-4 0.843, 1e-3 0.845, 2e-3 0.795), then Muon's with the AdamW group's at
+    # 1e-3 (runs/sweep_muon30, `--rate muon_lr`: 1e-3 0.661, 2e-3 0.845, 4e-3 0.870, 8e-3 0.900, 1.6e-2 0.887);
+    # guidance 1 / 1.5 / 2 / 3 at the winner: 0.892 / 0.900 / 0.754 / 0.298. Its ablations without TREAD or Muon
+    # take these rates (Muon's unused without Muon).
+    "prx": {"lr": 1e-3, "muon_lr": 8e-3, "cfg_scale": 1.5},
 }
 
 
