@@ -61,12 +61,13 @@ FROZEN = {  # the sweep of 2026-12-01 (runs/sweep_cpu2; docs/speedup.md has its 
 # in 4x4 patches (16 tokens, the recipe's count) it scored 0.28 against 0.38 in 2x2, in the same 1,500 steps and
 # with noise-0.5 decoders (6,000 and 12,000 steps; docs/latent.md); the benchmark's costs count what its extra
 # tokens cost it.
-OWN_TOKENS = {"latent": ("model.patch=2",)}
+OWN_TOKENS = {"latent": ("model.patch=2",)}  # by technique: 'latent+muon' (baseline A with Muon) reads 2x2 too
 
 
 def method_config(method: str, frozen: dict, data: tuple[str, ...] = ()):
     """A method's run on this size's models and batch, with `frozen`'s rates and `data` overrides (cpu30's task)."""
-    train = (*shared.cpu_train(batch=32), *OWN_TOKENS.get(method, ()))
+    own = (o for t in common.techniques_of(method) for o in OWN_TOKENS.get(t, ()))
+    train = (*shared.cpu_train(batch=32), *own)
     return common.method_config("tiny", (*shared.cpu_model(image_size=32, patch=8), *data), train, method, frozen)
 
 

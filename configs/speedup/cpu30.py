@@ -48,6 +48,9 @@ FROZEN = {
     # guidance 1 / 1.5 / 2 / 3 at the winner: 0.892 / 0.900 / 0.754 / 0.298. Its ablations without TREAD or Muon
     # take these rates (Muon's unused without Muon).
     "prx": {"lr": 1e-3, "muon_lr": 8e-3, "cfg_scale": 1.5},
+    # baseline A with Muon for its 2D weights (a control, not Linum's baseline: does Muon speed the latent DiT as it
+    # does the pixel recipe?): baseline A's AdamW rate and guidance; Muon's rate from its own sweep (docs/speedup.md).
+    "latent+muon": {"lr": 2e-3, "cfg_scale": 2.0},
 }
 
 
