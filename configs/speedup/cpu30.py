@@ -36,7 +36,9 @@ FROZEN = {
     # the sweeps of 2026-12-03 (runs/probe30; final alignment on 128 captions, mean over the seeds): baseline A on
     # seeds 0 and 1: 1e-3 0.484 / 0.569, 2e-3 0.620 / 0.599, 4e-3 0.650 / 0.527 (means 0.527, 0.609, 0.589);
     # guidance 1 / 1.5 / 2 / 3 at 2e-3: 0.576 / 0.605 / 0.618 / 0.609. The recipe on seed 0: 5e-4 0.365, 1e-3
-    # 0.757, 2e-3 0.617; guidance at 1e-3: 0.712 / 0.757 / 0.684 / 0.436.
+    # 0.757, 2e-3 0.617; guidance at 1e-3: 0.712 / 0.757 / 0.684 / 0.436. Again on seeds 0 and 1 (runs/sweep_r30,
+    # 2026-12-04): 5e-4 0.365 / 0.301, 1e-3 0.757 / 0.542, 2e-3 0.617 / 0.440 (means 0.333, 0.649, 0.529); guidance
+    # 1 / 1.5 / 2 / 3 at 1e-3: 0.595 / 0.649 / 0.618 / 0.456.
     "latent": {"lr": 2e-3, "cfg_scale": 2.0},
     "recipe": {"lr": 1e-3, "cfg_scale": 1.5},
     # baseline B on seeds 0 and 1 (runs/sweep_b30, 2026-12-03): 2e-3 0.370 / 0.289, 4e-3 0.466 / 0.262, 8e-3 0.271 /
