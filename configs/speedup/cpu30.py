@@ -51,8 +51,10 @@ FROZEN = {
     # take these rates (Muon's unused without Muon).
     "prx": {"lr": 1e-3, "muon_lr": 8e-3, "cfg_scale": 1.5},
     # baseline A with Muon for its 2D weights (a control, not Linum's baseline: does Muon speed the latent DiT as it
-    # does the pixel recipe?): baseline A's AdamW rate and guidance; Muon's rate from its own sweep (docs/speedup.md).
-    "latent+muon": {"lr": 2e-3, "cfg_scale": 2.0},
+    # does the pixel recipe?): baseline A's AdamW rate; Muon's from its own sweep on seeds 0 and 1 (runs/sweep_am30,
+    # 2026-12-04, `--rate muon_lr`): 2e-3 0.624, 4e-3 0.813, 8e-3 0.861, 1.6e-2 0.936, 3.2e-2 0.890; guidance 1 /
+    # 1.5 / 2 / 3 at 1.6e-2: 0.918 / 0.926 / 0.936 / 0.939.
+    "latent+muon": {"lr": 2e-3, "muon_lr": 1.6e-2, "cfg_scale": 3.0},
 }
 
 
