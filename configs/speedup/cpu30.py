@@ -54,8 +54,8 @@ FROZEN = {
     # does the pixel recipe?): baseline A's AdamW rate; Muon's from its own sweep on seeds 0 and 1 (runs/sweep_am30,
     # 2026-12-04, `--rate muon_lr`): 2e-3 0.624, 4e-3 0.813, 8e-3 0.861, 1.6e-2 0.936, 3.2e-2 0.890; guidance 1 /
     # 1.5 / 2 / 3 at 1.6e-2: 0.918 / 0.926 / 0.936 / 0.939.
-    "latent+muon": {"lr": 2e-3, "muon_lr": 1.6e-2, "cfg_scale": 3.0},
 }
+FROZEN["latent+muon"] = {**FROZEN["latent"], "muon_lr": 1.6e-2, "cfg_scale": 3.0}
 
 
 def get_config(method=None):
