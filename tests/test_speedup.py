@@ -328,6 +328,26 @@ def test_a_sweep_over_two_seeds_scores_each_rate_by_its_mean(tmp_path, monkeypat
     assert two["cfg_scores"] == pytest.approx({"1.5": 0.75, "3": 0.65}) and two["cfg_scale"] == 1.5
 
 
+def test_a_sweep_keeps_the_frozen_rate_and_guidance_on_an_exact_tie(tmp_path, monkeypatch):
+    """Two settings that score exactly alike cannot be told apart: the sweep keeps the size's frozen one (the PRX
+    variant's 1e-3 and guidance 1.5 on `cpu`) rather than the first listed; without a tie the best still wins, and
+    a tie between settings that are not frozen goes to the first listed."""
+    size = dataclasses.replace(_size("cpu"), sweep_lrs=(5e-4, 1e-3, 2e-3), cfg_scales=(1.0, 1.5, 2.0))
+    frozen = speedup.build_config(size, "prx", 0)
+    assert (frozen.optim.lr, frozen.sample.cfg_scale) == (1e-3, 1.5), "the test assumes cpu's frozen PRX values"
+    finals = {5e-4: 0.8, 1e-3: 0.8, 2e-3: 0.7}
+    monkeypatch.setattr(
+        speedup.Runner, "run", lambda self, m, s, lr=None, **k: {"curve": [{"align_overall": finals[lr]}]}
+    )
+    monkeypatch.setattr(speedup, "guidance_scores", lambda workdir, size: {"1": 0.85, "1.5": 0.85, "2": 0.6})
+    result = speedup.sweep(size, tmp_path / "tie", ["prx"], log=lambda s: None)["prx"]
+    assert result["lr"] == 1e-3 and result["inside_grid"] and result["cfg_scale"] == 1.5
+    finals[5e-4] = 0.81  # no longer a tie: the better rate wins (at the grid's edge, so the grid grows below it)
+    finals[2.5e-4] = 0.5
+    assert speedup.sweep(size, tmp_path / "best", ["prx"], log=lambda s: None)["prx"]["lr"] == 5e-4
+    assert speedup.pick({"1": 0.5, "2": 0.5, "3": 0.4}, "3") == "1"
+
+
 def test_a_finished_run_is_reused_across_added_config_keys():
     """A run saved before a key was added to the config (config.ADDED_KEYS) still matches its config, read at the
     value it ran under; a real difference in any value does not match."""

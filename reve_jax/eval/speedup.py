@@ -376,6 +376,7 @@ def sweep(
     seeds = tuple(seeds or size.seeds[:1])
     result = {}
     for method in methods:
+        frozen = build_config(size, method, seeds[0], extra)  # the incumbent rate and scale win exact ties
         per_seed: dict[int, dict[float, float]] = {seed: {} for seed in seeds}
         grid = sorted(size.sweep_lrs)
         for _ in range(max_extend + 1):
@@ -385,7 +386,7 @@ def sweep(
                         rec = runner.run(method, seed, lr, evals=1, rate=rate)
                         per_seed[seed][lr] = rec["curve"][-1][PRIMARY] if rec["curve"] else float("-inf")
             scores = {lr: float(np.mean([per_seed[seed][lr] for seed in seeds])) for lr in per_seed[seeds[0]]}
-            best = max(scores, key=scores.get)
+            best = pick(scores, getattr(frozen.optim, rate))
             lrs = sorted(scores)
             if best == lrs[0]:
                 grid = [best / 2]
@@ -399,7 +400,8 @@ def sweep(
         scales = {k: float(np.mean([g[k] for g in by_seed])) for k in by_seed[0]}
         r = result[method] = {rate: best, "inside_grid": inside, "grid": _by_rate(scores), "seeds": list(seeds),
                               "per_seed": {seed: _by_rate(d) for seed, d in per_seed.items()},
-                              "cfg_scale": float(max(scales, key=scales.get)), "cfg_scores": scales}  # fmt: skip
+                              "cfg_scale": float(pick(scales, f"{frozen.sample.cfg_scale:g}")),
+                              "cfg_scores": scales}  # fmt: skip
         log(f"sweep {method}: {rate} {best:g} ({'inside' if inside else 'AT THE EDGE of'} the grid {r['grid']}, "
             f"seeds {list(seeds)}), guidance {r['cfg_scale']:g} ({scales})")  # fmt: skip
         path = out / "sweep.json"
@@ -407,6 +409,15 @@ def sweep(
         saved.update({(m if rate == "lr" else f"{m}@{rate}"): r for m, r in result.items()})
         path.write_text(json.dumps(saved, indent=1))
     return result
+
+
+def pick(scores: dict, incumbent):
+    """The key of the highest score; on an exact tie the incumbent (the size's frozen value) when it is among the
+    tied, else the first tied key in `scores`' order: a sweep that cannot tell two settings apart keeps what is
+    frozen rather than moving on the order of a list."""
+    top = max(scores.values())
+    tied = [k for k, v in scores.items() if v == top]
+    return incumbent if incumbent in tied else tied[0]
 
 
 def _by_rate(scores: dict[float, float]) -> dict[str, float]:
