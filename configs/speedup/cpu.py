@@ -54,6 +54,11 @@ FROZEN = {  # the sweep of 2026-12-01 (runs/sweep_cpu2; docs/speedup.md has its 
     # under the gate's 0.45, it does not learn in this budget (docs/speedup.md).
     "pixel": {"lr": 4e-3, "cfg_scale": 2.0},
 }
+# Baseline A with Muon for its 2D weights (a control, not Linum's baseline: does Muon speed the latent DiT as it does
+# the pixel recipe?): baseline A's AdamW rate for the rest; Muon's from its own sweep on seeds 0 and 1
+# (runs/sweep_am_cpu, 2026-12-04, `--rate muon_lr`, the grid extended twice): 4e-3 0.893, 8e-3 0.932, 1.6e-2 0.934,
+# 3.2e-2 0.944, 6.4e-2 0.935 (means); guidance 1 / 1.5 / 2 / 3 at 3.2e-2: 0.923 / 0.933 / 0.937 / 0.944.
+FROZEN["latent+muon"] = {**FROZEN["latent"], "muon_lr": 3.2e-2, "cfg_scale": 3.0}
 
 
 # Each method at the token count where it learned best in the calibration runs: the recipe at 16 (JiT's regime of
