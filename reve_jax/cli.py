@@ -12,7 +12,17 @@ from reve_jax import config
 
 
 def setup_logging():
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    """INFO and above to stderr. Importing orbax puts a plain stderr handler on the root logger at WARNING, which
+    makes `logging.basicConfig` a no-op (every INFO line was lost): plain StreamHandlers are replaced by ours, other
+    kinds (pytest's capture) are kept. Calling it twice leaves one handler."""
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if type(h) is logging.StreamHandler:
+            root.removeHandler(h)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
     for noisy in ("absl", "orbax", "jax._src"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

@@ -8,10 +8,11 @@
 # (docs/performance.md says how); both folders are git-ignored and never committed. Then:
 #   run(command="bash scripts/device_bench.sh core", carry=[".whl", ".ref"], timeout_s=330)
 #   run(command="bash scripts/device_bench.sh extra", carry=[".whl", ".ref"], timeout_s=330)
-# core:  attention check + XL/2 TREAD off; torch DiT-XL/2; XL/2 TREAD on; B/2 off+on (+ckpt); torch DiT-B/2.
+# core:  XL/2 TREAD off; torch DiT-XL/2; XL/2 TREAD on; B/2 off+on (+ckpt); torch DiT-B/2; attention check.
 # extra: PRX-1B off+on; XL/2 with q,k,v as three GEMMs (before this work); XL/2 with XLA attention; XL/2 with each
 #        XLA flag tried; XL/2 checkpoint blocking, plain and staged; XL/2 again (a compilation-cache hit); XL/2 with
 #        scan over blocks.
+# ROWS="1 3" runs only those rows of the phase (numbered from 1 in the order below): the rest of a cut-short call.
 # SMOKE=1 runs the same sequence with the tiny preset on this machine's CPU (checks the script, not the GPU).
 set -u
 phase=${1:-core}
@@ -53,9 +54,14 @@ host() {
 }
 
 # bench SECONDS_CAP LABEL ARGS...: one benchmark process, cut at the cap or the deadline.
+row=0
 bench() {
   local cap=$1 label=$2
   shift 2
+  row=$((row + 1))
+  if [ -n "${ROWS:-}" ] && [[ " $ROWS " != *" $row "* ]]; then
+    return
+  fi
   local left=$((deadline - SECONDS - 15))
   if [ "$left" -lt 40 ]; then
     echo "[skip, budget] $label" | tee -a "$log"
@@ -63,11 +69,12 @@ bench() {
   fi
   [ "$left" -lt "$cap" ] && cap=$left
   echo "=== $label (cap ${cap}s, at ${SECONDS}s) XLA_FLAGS='${XLA_FLAGS:-}'" | tee -a "$log"
-  timeout "$cap" python3 scripts/bench_throughput.py "${common[@]}" --json "$res" --label "$label" \
-    --peer-timeout $((cap - 10)) "$@" >>"$log" 2>&1
+  # SIGABRT at the cap: Python's fault handler then prints every thread's stack, so a hang says where it was.
+  PYTHONFAULTHANDLER=1 timeout -s ABRT -k 10 "$cap" python3 scripts/bench_throughput.py "${common[@]}" \
+    --json "$res" --label "$label" --peer-timeout $((cap - 10)) "$@" >>"$log" 2>&1
   local rc=$?
   if [ $rc -ne 0 ]; then
-    echo "[failed rc=$rc] $label" | tee -a "$log"
+    echo "[failed rc=$rc$([ $rc = 124 ] && echo ", cut at ${cap}s: stacks in log.txt")] $label" | tee -a "$log"
   else
     grep -E "^\| " "$log" | tail -n 1
   fi
@@ -75,11 +82,13 @@ bench() {
 
 case $phase in
 core)
-  bench 150 "" --preset "$XL" --batch "$batch" --tread off --ckpt off --check-attention
+  bench 150 "" --preset "$XL" --batch "$batch" --tread off --ckpt off
   bench 160 "" --preset "$XL" --batch "$batch" --ours off --peer --ckpt off --data-steps 0
   bench 120 "" --preset "$XL" --batch "$batch" --tread on --ckpt off
   bench 120 "" --preset "$B" --batch "$batch" --tread both --ckpt on
   bench 100 "" --preset "$B" --batch "$batch" --ours off --peer --ckpt off --data-steps 0
+  # cuDNN against XLA attention on small inputs, alone (no model): last, so a hang there costs no row.
+  bench 45 "" --preset "$B" --ours off --check-attention --data-steps 0
   ;;
 extra)
   bench 120 "" --preset "$PRX" --batch "$((batch / 2))" --tread both --ckpt off

@@ -141,14 +141,20 @@ class _Tally:
 
 def _data_loop(run, state, steps: int):
     """`steps` steps of the trainer's loop fed by the real Grain pipeline; returns (state, seconds blocked in the
-    input, loop seconds). The first step and the first batch are outside the measurement, as in a long run."""
-    batches = run.batches(0)
-    state, _ = run.step(state, next(batches))
-    jax.block_until_ready(state)
-    tally = _Tally()
-    t0 = time.perf_counter()
-    result = loop.run_loop(run, state, batches, 1, steps + 1, [tally])
-    return result.state, tally.data_wait_s, time.perf_counter() - t0
+    input, loop seconds). The first step and the first batch are outside the measurement, as in a long run. The
+    pipeline's prefetch threads are stopped before returning: left running, they hold the GIL through the rows and
+    loops after this one (a checkpoint save's commit thread once waited past the row's cap behind them)."""
+    host = run.host_batches(0)
+    try:
+        batches = map(run.to_device, host)
+        state, _ = run.step(state, next(batches))
+        jax.block_until_ready(state)
+        tally = _Tally()
+        t0 = time.perf_counter()
+        result = loop.run_loop(run, state, batches, 1, steps + 1, [tally])
+        return result.state, tally.data_wait_s, time.perf_counter() - t0
+    finally:
+        getattr(host, "close", lambda: None)()
 
 
 class _SaveAt(hooks.CheckpointHook):
@@ -365,7 +371,7 @@ def main(argv=None) -> list[dict]:
         print("\n" + "; ".join(devices))
         print(format_table(rows), flush=True)
         return rows
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cli.setup_logging()
     for noisy in ("absl", "orbax", "jax._src"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     treads = {"on": [True], "off": [False], "both": [False, True]}[args.tread]
