@@ -49,13 +49,14 @@ def check_mesh_or_exit(cfg, num_devices: int | None = None):
     """The (data, fsdp, tensor) mesh of `cfg.mesh` on this process's devices, or on `num_devices` devices that need
     not exist here (an abstract mesh: shapes only), with `train.global_batch` checked to split over it. A mesh that
     does not fit exits non-zero with the reason. Returns the mesh."""
-    from reve_jax import builder, sharding
+    from reve_jax import sharding
+    from reve_jax.train import builder
 
     try:
         if num_devices is None:
             mesh = sharding.make_mesh(cfg.mesh)
         else:
-            from reve_jax.plan.memory import abstract_mesh
+            from reve_jax.tools.plan.memory import abstract_mesh
 
             mesh = abstract_mesh(sharding.mesh_shape(cfg.mesh, num_devices))
         builder.check_batch_split(cfg, mesh)
@@ -115,7 +116,8 @@ def start_worker():
 def train(cfg, workdir, worker, *, fresh: bool = False):
     """Run the trainer; an error the user can act on (a config that does not fit the mesh, a checkpoint that
     cannot be restored or saved) exits non-zero with its one-line message instead of a traceback."""
-    from reve_jax import checkpoint, sharding, trainer
+    from reve_jax import checkpoint, sharding
+    from reve_jax.train import trainer
 
     try:
         return trainer.run(cfg, workdir, worker, fresh=fresh)

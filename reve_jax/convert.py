@@ -23,7 +23,8 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from reve_jax import checkpoint, config, sharding, train_state, trainer
+from reve_jax import checkpoint, config, sharding
+from reve_jax.train import train_state, trainer
 
 log = logging.getLogger(__name__)
 

@@ -1,10 +1,16 @@
-"""Analytic FLOP counts for TFLOP/s and MFU: matmul FLOPs only (2 per multiply-add), forward x3 for training.
+"""Analytic FLOP counts for TFLOP/s and MFU: matmul FLOPs only (2 per multiply-add), forward x3 for training; and
+the device peak that MFU divides by.
 
 Routed blocks (TREAD) are counted at the token count they actually run on. Text tokens ride along in every
 block's attention and MLP, so they are counted too.
 """
 
 from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
 
 from reve_jax.batch import image_shape, model_shape
 from reve_jax.model.layers import swiglu_hidden  # noqa: F401 (re-exported)
@@ -72,7 +78,35 @@ def train_flops_per_image(cfg, hw: tuple[int, int] | None = None) -> float:
     total = 3.0 * forward_flops_per_image(cfg, hw=hw)
     if cfg.latent.path:
         from reve_jax import latent
-        from reve_jax.model.autoencoder import encoder_flops_per_image
+        from reve_jax.latent.autoencoder import encoder_flops_per_image
 
         total += encoder_flops_per_image(latent.ae_config(cfg), *image_shape(cfg, hw))
     return total
+
+
+# Dense bf16 peak per chip, for MFU. A device kind not listed here uses train.peak_tflops or a measured peak.
+PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0, "H800": 989.0, "A100": 312.0, "B200": 2250.0}
+
+
+def measured_matmul_tflops(size: int = 1024, repeats: int = 5) -> float:
+    """Achieved float32 matmul TFLOP/s of device 0: the peak used for MFU where no datasheet peak is known."""
+    x = jnp.ones((size, size), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size**3 / best / 1e12
+
+
+def peak_tflops(configured: float) -> tuple[float, str]:
+    """Per-device peak TFLOP/s and where it came from: the config, the datasheet, or a measured matmul."""
+    if configured > 0:
+        return configured, "config"
+    kind = jax.devices()[0].device_kind
+    for name, tflops in PEAK_TFLOPS.items():
+        if name in kind:
+            return tflops, f"datasheet {name} bf16"
+    return measured_matmul_tflops(), "measured f32 matmul"

@@ -13,7 +13,7 @@ steps, samples, FLOPs, wall clock and CPU seconds to reach the baseline's final 
 A size is a config file, configs/speedup/<size>.py (or give a path). Writes <out>/speedup.md (tables with bootstrap
 intervals over seeds), <out>/speedup.png (quality against wall clock and steps), <out>/results.json and one trainer
 workdir and JSON per run in <out>/runs/ (a killed benchmark resumes; finished runs are reused). The sweep writes
-<out>/sweep.json and says what to freeze in the size file. See reve_jax/eval/speedup.py and docs/speedup.md.
+<out>/sweep.json and says what to freeze in the size file. See reve_jax/speedup/ and docs/speedup.md.
 """
 
 import argparse
@@ -24,7 +24,7 @@ import platform
 from pathlib import Path
 
 from reve_jax import cli, config, xla
-from reve_jax.eval import speedup
+from reve_jax.speedup import protocol, runner, sweeps
 
 SIZES = Path(__file__).resolve().parents[1] / "configs" / "speedup"
 
@@ -45,7 +45,7 @@ def dry_run(size, methods, extra: tuple[str, ...], args) -> None:
     lr = size.sweep_lrs[0] if args.sweep else None  # a sweep run's config: the grid's first rate
     for method in dict.fromkeys(methods if args.sweep else (size.baseline, *methods)):
         try:
-            cfg = speedup.build_config(size, method, size.seeds[0], extra, lr, args.rate)
+            cfg = protocol.build_config(size, method, size.seeds[0], extra, lr, args.rate)
         except (config.ConfigError, ValueError) as e:
             raise SystemExit(f"config error ({method}): {e}") from None
         mesh = cli.check_mesh_or_exit(cfg)
@@ -72,7 +72,7 @@ def main(argv=None):
     p.add_argument(
         "--rate",
         default="lr",
-        choices=speedup.RATES,
+        choices=protocol.RATES,
         help="the rate the sweep varies: lr (the main group's) or muon_lr (Muon's, lr kept frozen)",
     )
     p.add_argument("--grid", help="comma-separated rates the sweep starts from (default: the size's sweep_lrs)")
@@ -94,11 +94,11 @@ def main(argv=None):
             if not Path(args.out).is_dir():
                 raise SystemExit(f"error: {args.out} is not a directory: pass the --out of a finished benchmark")
             cli.dry_run_exit(f"would rescore the runs listed in {Path(args.out) / 'results.json'} from their images")
-        speedup.rescore(args.out)
+        runner.rescore(args.out)
         print((Path(args.out) / "speedup.md").read_text())
         return
 
-    size = speedup.load_protocol(size_path(args.size))
+    size = protocol.load_protocol(size_path(args.size))
     extra = [x.removeprefix("--").removeprefix("config.") for x in args.config]
     if args.quick:  # the size's model and code path, a few steps of a small batch
         size = dataclasses.replace(size, steps=4, evals=2, n_eval=8, n_final=8, seeds=size.seeds[:1])
@@ -127,13 +127,13 @@ def main(argv=None):
     try:
         if args.sweep:
             seeds = size.seeds if args.seeds else None  # the sweep's seeds: those given, else the size's first
-            result = speedup.sweep(size, out, methods or (size.baseline, *size.methods), rate=args.rate, seeds=seeds,
+            result = sweeps.sweep(size, out, methods or (size.baseline, *size.methods), rate=args.rate, seeds=seeds,
                                    **kwargs)  # fmt: skip
             print("freeze in the size file: FROZEN = " + repr({m: {args.rate: r[args.rate], "cfg_scale": r["cfg_scale"]}
                                                               for m, r in result.items()}))  # fmt: skip
             return
-        speedup.run_benchmark(size, out, methods=methods, **kwargs)
-    except speedup.RunStopped as e:
+        runner.run_benchmark(size, out, methods=methods, **kwargs)
+    except runner.RunStopped as e:
         raise SystemExit(f"stopped: {e}") from None
     print((out / "speedup.md").read_text())
     print(f"wrote {out / 'speedup.md'}, {out / 'speedup.png'}")

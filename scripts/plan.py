@@ -33,7 +33,7 @@ def main(argv=None):
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
     from reve_jax import cli, sharding
-    from reve_jax.plan import memory
+    from reve_jax.tools.plan import memory
 
     cfg = cli.load_config_or_exit(args.config, overrides)
     if args.dry_run:

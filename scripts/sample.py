@@ -32,7 +32,7 @@ def main(argv=None):
             f"{args.sampler or s.sampler} x {args.steps or s.steps} steps, mesh {cli.describe_mesh(mesh)}) "
             f"into {args.out or Path(args.workdir) / 'samples' / 'cli.png'}"
         )
-    from reve_jax import sampling
+    from reve_jax.train import sampling
 
     out = sampling.render_from_checkpoint(
         args.workdir,

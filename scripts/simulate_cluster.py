@@ -8,7 +8,7 @@
     python scripts/simulate_cluster.py --mechanisms fast_restart,snapshots   # one run with them
     python scripts/simulate_cluster.py --hosts 512 --failures-per-gpu-day 1e-3 --ckpt-interval-s 900 --json out.json
 
-Every field of reve_jax.plan.cluster.ClusterConfig is an option (--repair-median-h, --restart-s, ...).
+Every field of reve_jax.tools.plan.cluster.ClusterConfig is an option (--repair-median-h, --restart-s, ...).
 docs/planning.md describes the model and its calibration.
 """
 
@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 
 from reve_jax import cli
-from reve_jax.plan import cluster, interval, report, sim
+from reve_jax.tools.plan import cluster, interval, report, sim
 
 
 def main(argv=None):

@@ -29,11 +29,11 @@ def main(argv=None):
     out = Path(args.out)
     if out.exists() and not args.force:
         raise SystemExit(f"error: {out} exists; pass --force to replace it")
-    from reve_jax import latent
-    from reve_jax.model import autoencoder
+    from reve_jax.latent import autoencoder
+    from reve_jax.latent import training as latent_training
 
-    model, info = latent.train(cfg)
-    info["check"] = latent.check_reconstructions(cfg, model, args.check)
+    model, info = latent_training.train(cfg)
+    info["check"] = latent_training.check_reconstructions(cfg, model, args.check)
     autoencoder.save(model, out, info)
     logging.getLogger("reve_jax").info("wrote %s", out)
     print(json.dumps({k: info[k] for k in ("train_s", "final_mse", "check")}, indent=1))

@@ -13,8 +13,8 @@ from flax import nnx
 from util import load_script
 
 from reve_jax import flops
-from reve_jax.bench import peer, throughput
 from reve_jax.model import layers
+from reve_jax.tools.bench import peer, throughput
 
 EXPECTED_COLUMNS = [
     "model",
@@ -109,7 +109,7 @@ class DiT(torch.nn.Module):  # the reference's constructor and call, a patchify-
 
 
 def test_peer_runs_in_a_child_process_and_reports_a_row(tmp_path):
-    """The peer's child process (python -m reve_jax.bench.peer) with a stand-in for the reference models.py."""
+    """The peer's child process (python -m reve_jax.tools.bench.peer) with a stand-in for the reference models.py."""
     (tmp_path / "models.py").write_text(STAND_IN_DIT)
     cfg = throughput.load_bench_config("tiny", None, 4, False)
     opts = argparse.Namespace(

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from util import tiny_config
 
-from reve_jax import sharding, train_state
+from reve_jax import sharding
 from reve_jax.checkpoint import Checkpointer, CheckpointError
+from reve_jax.train import train_state
 
 
 def _setup(devices, *extra):

@@ -178,7 +178,8 @@ def test_config_files_in_subfolders_load_without_sys_path(tmp_path):
 def test_a_saved_config_that_predates_a_key_reads_back_as_it_trained():
     # A run saved before a key existed must sample, score and resume as it trained: the key comes back with the
     # value it trained under (config.ADDED_KEYS), not the new default, and resuming it is not refused.
-    from reve_jax import config, trainer
+    from reve_jax import config
+    from reve_jax.train import trainer
 
     base = load_config("configs/tiny.py")
     flat = {}

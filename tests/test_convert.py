@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from util import load_script, tiny_config
 
-from reve_jax import convert, sharding, train_state, trainer
+from reve_jax import convert, sharding
 from reve_jax.checkpoint import Checkpointer
 from reve_jax.model import dit
+from reve_jax.train import train_state, trainer
 
 MUON = ("optim.name='muon'", "ema.decays=(0.9, 0.99)", "model.depth=3")
 SCAN = "model.scan_layers=True"

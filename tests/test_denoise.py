@@ -1,4 +1,4 @@
-"""The denoising probe (reve_jax/eval/denoise.py): its numbers against a float64 computation for models whose answer
+"""The denoising probe (reve_jax/metrics/denoise.py): its numbers against a float64 computation for models whose answer
 is known (one that returns its input, one that paints the caption's image whatever the input), in x- and
 v-prediction, and its run on a real model with its grid and its errors."""
 
@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 from util import tiny_config
 
-from reve_jax import train_state
-from reve_jax.eval import denoise, vloss
+from reve_jax.metrics import denoise, vloss
+from reve_jax.train import train_state
 
 TIMES = (0.3, 0.9, 0.99)
 

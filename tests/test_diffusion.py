@@ -122,7 +122,7 @@ def test_the_model_sampler_takes_its_clamp_from_sample_t_eps():
     from flax import nnx
     from util import tiny_config
 
-    from reve_jax import sampling, train_state
+    from reve_jax.train import sampling, train_state
 
     images = {}
     for steps in (12, 24):

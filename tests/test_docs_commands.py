@@ -79,9 +79,9 @@ QUICK = {
     "pytest": Quick(("--collect-only", "-p", "no:cacheprovider"), "tests collected"),  # the suite: collected
     "reve_jax.elastic.probe": Quick((), ""),  # a matmul on each device: runs as is
     "reve_jax.elastic.precompile": HELP,  # compiles the train step for another group size (the supervisor runs it)
-    "reve_jax.perceptual.bench": HELP,  # compiles both perceptual losses: about a minute on a CPU
-    "reve_jax.eval.figures": HELP,  # renders and reads thousands of images: minutes
-    "reve_jax.eval.build_features": HELP,  # trains the evaluation feature net: most of an hour
+    "reve_jax.tools.bench.perceptual": HELP,  # compiles both perceptual losses: about a minute on a CPU
+    "reve_jax.speedup.figures": HELP,  # renders and reads thousands of images: minutes
+    "reve_jax.perceptual.build_shapes": HELP,  # trains the evaluation feature net: most of an hour
 }
 
 # ----------------------------------------------------------------------------------------------- Extraction

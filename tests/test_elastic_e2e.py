@@ -325,7 +325,8 @@ def _final_params(workdirs: list[str]) -> list[tuple[int, list]]:
     """Returns (step, parameter leaves as numpy) of the newest checkpoint of each workdir, restored here."""
     import jax
 
-    from reve_jax import checkpoint, config, sharding, train_state
+    from reve_jax import checkpoint, config, sharding
+    from reve_jax.train import train_state
 
     cfg = config.load_config(os.path.join(ROOT, "configs", "tiny.py"), TINY)
     setup = train_state.make_setup(cfg, sharding.make_mesh(cfg.mesh))

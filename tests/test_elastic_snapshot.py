@@ -18,10 +18,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from reve_jax import builder
 from reve_jax.elastic import auth, peers, shards
 from reve_jax.elastic.snapshot import Snapshots, choose
 from reve_jax.elastic.snapstore import HostStore, SetId
+from reve_jax.train import builder
 from tests.util import tiny_config
 
 

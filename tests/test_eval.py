@@ -11,9 +11,11 @@ import scipy.linalg
 from scipy.ndimage import gaussian_filter
 from util import tiny_config
 
-from reve_jax import train_state
 from reve_jax.data import synthetic
-from reve_jax.eval import alignment, controls, features, quality, vloss
+from reve_jax.data.synthetic import alignment, controls
+from reve_jax.metrics import frechet, quality, vloss
+from reve_jax.perceptual import shapes
+from reve_jax.train import train_state
 
 # ------------------------------------------------------------------------------------------ caption alignment
 
@@ -123,19 +125,19 @@ def test_frechet_distance_matches_a_float64_reference():
     a, b = rng.normal(size=(d, d)), rng.normal(size=(d, d))
     s1, s2 = a @ a.T + 0.1 * np.eye(d), b @ b.T + 0.1 * np.eye(d)
     mu1, mu2 = rng.normal(size=d), rng.normal(size=d)
-    assert features.frechet_distance(mu1, s1, mu1, s1) == pytest.approx(0.0, abs=1e-9)
+    assert frechet.frechet_distance(mu1, s1, mu1, s1) == pytest.approx(0.0, abs=1e-9)
     shift = rng.normal(size=d)
-    assert features.frechet_distance(mu1, s1, mu1 + shift, s1) == pytest.approx(np.square(shift).sum(), rel=1e-9)
-    assert features.frechet_distance(mu1, s1, mu2, s2) == pytest.approx(_scipy_fd(mu1, s1, mu2, s2), rel=1e-8)
+    assert frechet.frechet_distance(mu1, s1, mu1 + shift, s1) == pytest.approx(np.square(shift).sum(), rel=1e-9)
+    assert frechet.frechet_distance(mu1, s1, mu2, s2) == pytest.approx(_scipy_fd(mu1, s1, mu2, s2), rel=1e-8)
     # Rank-deficient covariances (fewer samples than dimensions) stay finite and non-negative.
     f1, f2 = rng.normal(size=(5, d)), rng.normal(size=(7, d)) + 1.0
-    fd = features.feature_fd(f1, f2)
+    fd = frechet.feature_fd(f1, f2)
     assert np.isfinite(fd) and fd > 0
-    assert features.feature_fd(f1, f1) == pytest.approx(0.0, abs=1e-6)
+    assert frechet.feature_fd(f1, f1) == pytest.approx(0.0, abs=1e-6)
 
 
 def _tiny_spec(**kw):
-    return features.FeatureSpec(
+    return shapes.FeatureSpec(
         channels=(4, 8), cell_dim=4, global_dim=4, n_train=64, n_test=16, sizes=(32,), size_weights=(1.0,),
         steps=3, batch=16, **kw
     )  # fmt: skip
@@ -143,12 +145,12 @@ def _tiny_spec(**kw):
 
 def test_feature_net_is_deterministic_and_cached(tmp_path):
     spec = _tiny_spec()
-    m1, info = features.get_feature_net(spec, tmp_path)
+    m1, info = shapes.get_feature_net(spec, tmp_path)
     assert (tmp_path / f"feature_net_{spec.key()}.npz").exists()
-    m2, info2 = features.get_feature_net(spec, tmp_path)  # loaded from the file
-    m3, _ = features.train_feature_net(spec)  # rebuilt from the seed
+    m2, info2 = shapes.get_feature_net(spec, tmp_path)  # loaded from the file
+    m3, _ = shapes.train_feature_net(spec)  # rebuilt from the seed
     images, _ = _dataset(n=6)
-    f1, f2, f3 = (features.make_feature_fn(m)(images) for m in (m1, m2, m3))
+    f1, f2, f3 = (shapes.make_feature_fn(m)(images) for m in (m1, m2, m3))
     assert f1.shape == (6, 9 * 4 + 4)
     np.testing.assert_array_equal(f1, f2)
     np.testing.assert_allclose(f1, f3, rtol=1e-5, atol=1e-6)

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from reve_jax.eval import figures
+from reve_jax.speedup import figures
 
 
 class _Drawn(Exception):

@@ -1,4 +1,4 @@
-"""KID (eval/kid.py) and the feature net (eval/features.py): the estimator against a direct computation and on
+"""KID (eval/kid.py) and the feature net (eval/shapes.py): the estimator against a direct computation and on
 distributions with known answers, then in the checked-in feature space, where two real sets must sit at the
 floor and shuffled captions, wrong cells and one-shape-for-all far above it; and the net's per-object accuracy."""
 
@@ -7,7 +7,10 @@ import itertools
 import numpy as np
 import pytest
 
-from reve_jax.eval import bootstrap, controls, features, figures, kid
+from reve_jax.data.synthetic import controls
+from reve_jax.metrics import bootstrap, kid
+from reve_jax.perceptual import shapes
+from reve_jax.speedup import figures
 
 
 def _direct_kid(x, y, paired):
@@ -58,9 +61,9 @@ def test_bootstrap_counts_and_interval():
 @pytest.fixture(scope="module")
 def net():
     """The checked-in feature net of the default spec (loaded, never trained here)."""
-    path = features.WEIGHTS_DIR / f"feature_net_{features.DEFAULT_SPEC.key()}.npz"
-    assert path.exists(), f"{path} is missing: rebuild it with `python -m reve_jax.eval.build_features`"
-    return features.load_feature_net(features.DEFAULT_SPEC, path)
+    path = shapes.WEIGHTS_DIR / f"feature_net_{shapes.DEFAULT_SPEC.key()}.npz"
+    assert path.exists(), f"{path} is missing: rebuild it with `python -m reve_jax.perceptual.build_shapes`"
+    return shapes.load_feature_net(shapes.DEFAULT_SPEC, path)
 
 
 # Per-object accuracy the checked-in net must keep (its held-out figures, 2026-12-01: position 1.000, colour 1.000,
@@ -70,9 +73,9 @@ MIN_ACCURACY = {"position": 0.95, "color": 0.95, "shape": 0.95, "size": 0.95}
 
 def test_feature_net_reads_every_object(net):
     model, info = net
-    spec = features.DEFAULT_SPEC
-    images, scenes = features.render_set(spec, spec.n_train + spec.n_test, 512)  # past its own held-out set
-    acc = features.per_object_accuracy(model, images, scenes)
+    spec = shapes.DEFAULT_SPEC
+    images, scenes = shapes.render_set(spec, spec.n_train + spec.n_test, 512)  # past its own held-out set
+    acc = shapes.per_object_accuracy(model, images, scenes)
     for attr, least in MIN_ACCURACY.items():
         assert acc[attr] >= least, acc
         assert info["test_accuracy"][attr] >= least, info["test_accuracy"]
@@ -88,7 +91,7 @@ def test_kid_floor_and_what_lies_far_above_it(net, size, max_objects):
     the floor. (Sets of other captions are not compared in the joint space: there two real sets of different
     captions differ by their captions' codes, a noise of the order of the effects at n = 128; docs/evaluation.md.)"""
     model, _ = net
-    fn = features.make_feature_fn(model)
+    fn = shapes.make_feature_fn(model)
     n = 128
     ds, index, real, scenes = figures.heldout(size, n, max_objects)
     codes = kid.scene_codes(scenes)

@@ -8,7 +8,8 @@ import pytest
 from scipy.ndimage import gaussian_filter
 
 from reve_jax.data import synthetic
-from reve_jax.eval import alignment, bootstrap, controls
+from reve_jax.data.synthetic import alignment, controls
+from reve_jax.metrics import bootstrap
 
 
 def _real(size, n, max_objects=3, seed=0):

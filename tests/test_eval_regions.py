@@ -6,9 +6,11 @@ import pytest
 from flax import nnx
 from util import tiny_config
 
-from reve_jax import train_state, viz
+from reve_jax import viz
 from reve_jax.data import pipeline
-from reve_jax.eval import controls, quality, regions
+from reve_jax.data.synthetic import controls
+from reve_jax.metrics import quality, regions
+from reve_jax.train import train_state
 
 
 def _real_and_backgrounds(cfg, n):

@@ -9,7 +9,8 @@ import pytest
 from PIL import Image
 from util import TINY, load_script
 
-from reve_jax.eval import alignment, controls, regions
+from reve_jax.data.synthetic import alignment, controls
+from reve_jax.metrics import regions
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,7 +64,7 @@ def test_evaluate_scores_a_trained_run(tmp_path):
 
 
 def test_summary_line_prints_intervals_only_where_bootstrapped():
-    from reve_jax.eval.scoring import summary_line
+    from reve_jax.metrics.scoring import summary_line
 
     m = {f"align_{a}": 0.5 for a in (*alignment.ATTRIBUTES, "overall", "exact")}
     m |= {"kid": 0.05, "kid_floor": 0.001, "vloss": 0.1}
@@ -79,7 +80,7 @@ def test_grain_reads_pixel_noise_not_edges():
     the edges), rising with added pixel noise of std s in [-1, 1] at about 1.75 s (the median |Laplacian| of white
     noise: 0.674 * sqrt(20) * s / 2 in [0, 1] units, less the uint8 rounding), unchanged by the image's colours."""
     from reve_jax.data.synthetic import SyntheticShapes
-    from reve_jax.eval import quality
+    from reve_jax.metrics import quality
 
     ds = SyntheticShapes(image_size=32, num_samples=64, render="fixed")  # the benchmark's rendering
     real = np.stack([ds[i]["image"] for i in range(64)]).astype(np.float32) / 127.5 - 1

@@ -9,9 +9,11 @@ from flax import nnx
 from util import tiny_config
 
 from reve_jax import batch as batch_lib
-from reve_jax import builder, flops, latent, sampling, trainer
+from reve_jax import flops, latent
 from reve_jax.config import ConfigError
-from reve_jax.model import autoencoder
+from reve_jax.latent import autoencoder
+from reve_jax.latent import training as latent_training
+from reve_jax.train import builder, sampling, trainer
 
 AE = ("latent.channels=4", "latent.downsample=2", "latent.width=8", "latent.train_steps=30", "latent.train_batch=16")
 
@@ -19,7 +21,7 @@ AE = ("latent.channels=4", "latent.downsample=2", "latent.width=8", "latent.trai
 @pytest.fixture(scope="module")
 def ae_file(tmp_path_factory):
     cfg = tiny_config(*AE)
-    model, info = latent.train(cfg, log_every=0)
+    model, info = latent_training.train(cfg, log_every=0)
     path = autoencoder.save(model, tmp_path_factory.mktemp("ae") / "ae.npz", info)
     return str(path), model
 
@@ -111,14 +113,16 @@ def test_one_autoencoder_per_dataset_whatever_the_runs_seeds():
     follow what the autoencoder sees: the data's content and its own settings."""
     a = tiny_config(*AE, "seed=1", "data.seed=1")
     b = tiny_config(*AE, "seed=2", "data.seed=5")
-    assert latent.cache_key(a) == latent.cache_key(b)
-    assert latent.cache_key(a) != latent.cache_key(tiny_config(*AE, "data.max_objects=2"))
-    assert latent.cache_key(a) != latent.cache_key(tiny_config(*AE, "latent.channels=8"))
+    assert latent_training.cache_key(a) == latent_training.cache_key(b)
+    assert latent_training.cache_key(a) != latent_training.cache_key(tiny_config(*AE, "data.max_objects=2"))
+    assert latent_training.cache_key(a) != latent_training.cache_key(tiny_config(*AE, "latent.channels=8"))
     palette = tiny_config(*AE, "data.colors=('red','green','blue')")  # an autoencoder that never saw the others
-    assert latent.cache_key(a) != latent.cache_key(palette)
-    assert latent.cache_key(palette) != latent.cache_key(tiny_config(*AE, "data.colors=('red','green','white')"))
+    assert latent_training.cache_key(a) != latent_training.cache_key(palette)
+    assert latent_training.cache_key(palette) != latent_training.cache_key(
+        tiny_config(*AE, "data.colors=('red','green','white')")
+    )
     short = ("latent.train_steps=3", "latent.train_batch=4")
-    ma, _ = latent.train(tiny_config(*AE, *short, "seed=1", "data.seed=1"), log_every=0)
-    mb, _ = latent.train(tiny_config(*AE, *short, "seed=2", "data.seed=5"), log_every=0)
+    ma, _ = latent_training.train(tiny_config(*AE, *short, "seed=1", "data.seed=1"), log_every=0)
+    mb, _ = latent_training.train(tiny_config(*AE, *short, "seed=2", "data.seed=5"), log_every=0)
     for x, y in zip(jax.tree.leaves(nnx.state(ma)), jax.tree.leaves(nnx.state(mb)), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -11,7 +11,7 @@ from util import tiny_config
 
 from reve_jax.model import dit, routing
 from reve_jax.model.layers import apply_rope, patchify, rope_angles, sincos_position_embedding, unpatchify
-from reve_jax.train_state import build_model
+from reve_jax.train.train_state import build_model
 
 
 def _inputs(cfg, b=4, seed=0):

@@ -9,10 +9,11 @@ import pytest
 from flax import nnx
 from util import tiny_config
 
-from reve_jax import objective, sharding, trainer
+from reve_jax import sharding
 from reve_jax.config import ConfigError
 from reve_jax.perceptual import LPIPS, DinoV2, DinoV2Config
 from reve_jax.perceptual.weights import export_dinov2, export_lpips
+from reve_jax.train import objective, trainer
 
 CHANNELS = (4, 8, 8, 8, 8)
 DINO = DinoV2Config(width=16, depth=1, num_heads=2, mlp_dim=32, patch_size=14, pos_grid=2)
@@ -114,10 +115,10 @@ def test_missing_weights_are_clear_errors(weight_files, tmp_path):
 def random_feature_net(monkeypatch):
     """The project's feature network as REPA's target, at random weights (the wiring is under test, not the
     weights): objective.load_frozen gets it instead of the checked-in one."""
-    from reve_jax.eval import features
+    from reve_jax.perceptual import shapes
 
-    net = features.FeatureNet(features.DEFAULT_SPEC, nnx.Rngs(3))
-    monkeypatch.setattr(features, "get_feature_net", lambda spec=features.DEFAULT_SPEC, cache_dir=None: (net, {}))
+    net = shapes.FeatureNet(shapes.DEFAULT_SPEC, nnx.Rngs(3))
+    monkeypatch.setattr(shapes, "get_feature_net", lambda spec=shapes.DEFAULT_SPEC, cache_dir=None: (net, {}))
     return net
 
 
@@ -125,7 +126,7 @@ def random_feature_net(monkeypatch):
 def test_repa_to_the_feature_network_follows_the_batch_image_shape(random_feature_net, hw, patch):
     """loss.repa_target='features': 1 - cos against the feature net's per-cell embeddings (its 3 x 3 grid) of the
     clean image, resampled onto the batch's token grid; at a 3 x 3 token grid they are the embeddings themselves."""
-    from reve_jax.eval import features
+    from reve_jax.perceptual import shapes
 
     cfg = tiny_config("loss.repa_weight=0.5", "loss.repa_target='features'", "loss.repa_dim=48",
                       "loss.repa_hidden=32", "model.repa_block=0", f"model.patch={patch}")  # fmt: skip
@@ -139,7 +140,7 @@ def test_repa_to_the_feature_network_follows_the_batch_image_shape(random_featur
     tokens = rng.standard_normal((2, n, cfg.model.width)).astype(np.float32)
     aux = {"repa": tokens, "repa_idx": np.tile(np.arange(n), (2, 1))}
     got = float(_terms(cfg, frozen, x, x, np.ones(2, np.float32), aux, heads)["loss_repa"])
-    cells, _ = random_feature_net.embed(features.to_net_input(x))  # [2, 9, 48]
+    cells, _ = random_feature_net.embed(shapes.to_net_input(x))  # [2, 9, 48]
     cells = np.asarray(cells, np.float64).reshape(2, 3, 3, 48)
     if grid == (3, 3):
         target = cells
@@ -160,7 +161,7 @@ def test_dino_term_against_the_feature_network(random_feature_net):
     """loss.dino_target='features': the dino term is 1 - cos between the feature network's per-cell embeddings of
     the prediction and of the clean image (float64 reference), gated like the other perceptual terms, zero on the
     clean image itself, and it trains without any weight file."""
-    from reve_jax.eval import features
+    from reve_jax.perceptual import shapes
 
     cfg = tiny_config("loss.dino_weight=0.3", "loss.dino_target='features'", "loss.perceptual_t_min=0.5")
     frozen = objective.load_frozen(cfg, sharding.make_mesh(cfg.mesh))
@@ -170,8 +171,8 @@ def test_dino_term_against_the_feature_network(random_feature_net):
     x_hat = np.clip(x + rng.normal(0, 0.5, x.shape), -1, 1).astype(np.float32)
     t = np.array([0.9, 0.2, 0.7], np.float32)  # the second sample is below the gate
     got = float(_terms(cfg, frozen, x_hat, x, t, {}, None)["loss_dino"])
-    a, _ = random_feature_net.embed(features.to_net_input(x_hat))
-    b, _ = random_feature_net.embed(features.to_net_input(x))
+    a, _ = random_feature_net.embed(shapes.to_net_input(x_hat))
+    b, _ = random_feature_net.embed(shapes.to_net_input(x))
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     per = (1 - (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))).mean(-1)
     np.testing.assert_allclose(got, 0.3 * np.mean(per * (t >= 0.5)), rtol=1e-4)

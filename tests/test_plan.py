@@ -5,8 +5,9 @@ import jax
 import pytest
 from util import load_script, tiny_config
 
-from reve_jax import config, sharding, train_state
-from reve_jax.plan import memory
+from reve_jax import config, sharding
+from reve_jax.tools.plan import memory
+from reve_jax.train import train_state
 
 MIB = 2**20
 

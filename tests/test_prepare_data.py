@@ -12,9 +12,10 @@ import pytest
 from PIL import Image
 from util import load_script, tiny_config
 
-from reve_jax import config, sampling, trainer
+from reve_jax import config
 from reve_jax.data import buckets, pipeline, prepare, shards, tokenizer
 from reve_jax.text_encoders.minilm import MiniLMEncoder
+from reve_jax.train import sampling, trainer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 WORDS = ("red", "green", "blue", "circle", "square", "small", "large", "top", "left", "center")

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from util import tiny_config
 
-from reve_jax import builder, diffusion, flops, train_state
+from reve_jax import diffusion, flops
 from reve_jax.config import load_config
+from reve_jax.train import builder, train_state
 
 
 def _shrunk(spec: str):

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 from util import tiny_config
 
-from reve_jax import builder, optim, sharding, train_state
+from reve_jax import optim, sharding
+from reve_jax.train import builder, train_state
 
 GOLDEN = Path(__file__).parent / "golden" / "partition_specs.txt"
 MESH = ("mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2")

@@ -8,7 +8,7 @@ import math
 import pytest
 from util import load_script
 
-from reve_jax.plan import cluster, interval, report, sim
+from reve_jax.tools.plan import cluster, interval, report, sim
 
 # 32 hosts for 20 days, failing often enough for ~30 failures: milliseconds per run.
 SMALL = cluster.ClusterConfig(hosts=32, days=20.0, failures_per_gpu_day=0.006, step_s=2.0, ckpt_interval_s=600.0)

@@ -13,13 +13,14 @@ import pytest
 
 from reve_jax import xla
 from reve_jax.data import pipeline
-from reve_jax.eval import alignment, report, speedup
+from reve_jax.data.synthetic import alignment
+from reve_jax.speedup import protocol, report, runner, sweeps
 
 SIZES = {name: f"configs/speedup/{name}.py" for name in ("cpu", "cpu30", "gpu")}
 
 
 def _size(name):
-    return speedup.load_protocol(SIZES[name])
+    return protocol.load_protocol(SIZES[name])
 
 
 def _curve(values, step_s=1.0, every=100, batch=8, img_flops=1e9):
@@ -43,27 +44,27 @@ def _runs():
 
 def test_methods_differ_only_in_their_techniques_and_every_size_builds():
     size = _size("cpu")
-    base = speedup.build_config(size, "pixel_p8", 0)
-    recipe = speedup.build_config(size, "recipe", 1)
+    base = protocol.build_config(size, "pixel_p8", 0)
+    recipe = protocol.build_config(size, "recipe", 1)
     assert (base.model.width, base.train.steps, base.optim.schedule) == (128, size.steps, "cosine")
     assert base.diffusion.prediction == "v" and base.model.bottleneck == 0 and base.model.arch == "dit"
     assert recipe.diffusion.prediction == "x" and recipe.model.bottleneck > 0 and recipe.model.arch == "ddt"
     assert recipe.seed == recipe.data.seed == 1  # a seed sets the data too
     assert recipe.train.ckpt_every == size.eval_every == size.steps // size.evals
-    lat = speedup.build_config(size, "latent", 0)
+    lat = protocol.build_config(size, "latent", 0)
     assert lat.latent.path and lat.diffusion.prediction == "v" and lat.model.patch == 2
-    pixel = speedup.build_config(size, "pixel", 0)
+    pixel = protocol.build_config(size, "pixel", 0)
     assert pixel.model.patch == 4 and pixel.diffusion.prediction == "v"
     # the baselines at 64 tokens (where they learned best), the recipe at 16 (JiT's large patches)
     assert (lat.data.image_size // lat.latent.downsample // lat.model.patch) ** 2 == 64
     assert (pixel.data.image_size // pixel.model.patch) ** 2 == 64
     assert (recipe.data.image_size // recipe.model.patch) ** 2 == 16
-    no_ddt = speedup.build_config(size, "recipe-ddt", 0)
+    no_ddt = protocol.build_config(size, "recipe-ddt", 0)
     assert no_ddt.model.arch == "dit"
     # a leave-one-out ablation changes one technique: it keeps the recipe's frozen LR and guidance
     assert (no_ddt.optim.lr, no_ddt.sample.cfg_scale) == (recipe.optim.lr, recipe.sample.cfg_scale)
     assert (recipe.optim.lr, recipe.sample.cfg_scale) != (lat.optim.lr, lat.sample.cfg_scale)
-    prx = speedup.build_config(size, "prx", 0)
+    prx = protocol.build_config(size, "prx", 0)
     assert prx.model.route.enabled and prx.optim.name == "muon"
     # Optimizer rates come from the size's FROZEN entry or the sweep, never from the experiment config the size
     # starts from (tiny.py tunes Muon's rate for its own job): Muon takes `lr` unless the entry freezes its own.
@@ -71,16 +72,16 @@ def test_methods_differ_only_in_their_techniques_and_every_size_builds():
 
     assert prx.optim.muon_lr == cpu.FROZEN["prx"]["muon_lr"]
     assert lat.optim.muon_lr == recipe.optim.muon_lr == 0.0
-    assert speedup.build_config(size, "jit+muon", 0).optim.muon_lr == 0.0
+    assert protocol.build_config(size, "jit+muon", 0).optim.muon_lr == 0.0
     for name in SIZES:  # every method of every size is a valid config
         s = _size(name)
         for method in (s.baseline, *s.methods, *s.further):
-            cfg = speedup.build_config(s, method, s.seeds[-1])
+            cfg = protocol.build_config(s, method, s.seeds[-1])
             assert cfg.train.steps == s.steps and cfg.optim.schedule == "cosine", (name, method)
     with pytest.raises(ValueError, match="no technique"):
-        speedup.build_config(size, "recipe-muon", 0)
+        protocol.build_config(size, "recipe-muon", 0)
     # the PRX variant's leave-one-out ablations: one technique off, PRX's frozen rates and guidance kept
-    no_tread, no_muon = (speedup.build_config(size, m, 0) for m in ("prx-tread", "prx-muon"))
+    no_tread, no_muon = (protocol.build_config(size, m, 0) for m in ("prx-tread", "prx-muon"))
     assert not no_tread.model.route.enabled and no_tread.optim.name == "muon"
     assert no_muon.model.route.enabled and no_muon.optim.name == "adamw"
     for cfg in (no_tread, no_muon):
@@ -88,12 +89,12 @@ def test_methods_differ_only_in_their_techniques_and_every_size_builds():
             prx.optim.lr, prx.optim.muon_lr, prx.sample.cfg_scale)  # fmt: skip
         assert cfg.model.arch == "ddt" and cfg.loss.repa_weight > 0
     with pytest.raises(ValueError, match="no technique"):
-        speedup.build_config(size, "prx-latent", 0)
+        protocol.build_config(size, "prx-latent", 0)
     # baseline A with Muon (cpu30's control): baseline A's latent tokens and AdamW rate, Muon's rate its own
     from configs.speedup import cpu30
 
     s30 = _size("cpu30")
-    lat30, lat_muon = (speedup.build_config(s30, m, 0) for m in ("latent", "latent+muon"))
+    lat30, lat_muon = (protocol.build_config(s30, m, 0) for m in ("latent", "latent+muon"))
     assert lat_muon.model.patch == lat30.model.patch == 2 and lat_muon.latent.path == lat30.latent.path
     assert (lat30.optim.name, lat_muon.optim.name) == ("adamw", "muon") and lat_muon.optim.lr == lat30.optim.lr
     assert lat_muon.optim.muon_lr == cpu30.FROZEN["latent+muon"]["muon_lr"] != lat_muon.optim.lr
@@ -103,7 +104,7 @@ def test_methods_differ_only_in_their_techniques_and_every_size_builds():
 def test_report_gate_table_and_plot(tmp_path):
     size = dataclasses.replace(_size("cpu"), seeds=(0, 1), steps=400, evals=4)
     runs = _runs()
-    results = {"size": dataclasses.asdict(size), "runs": runs, "summary": speedup.summarize(size, runs)}
+    results = {"size": dataclasses.asdict(size), "runs": runs, "summary": runner.summarize(size, runs)}
     report.write_outputs(results, tmp_path)
     md = (tmp_path / "speedup.md").read_text()
     assert "Validity gate passed" in md and "JIT-DDT recipe" in md
@@ -113,7 +114,7 @@ def test_report_gate_table_and_plot(tmp_path):
     assert (tmp_path / "speedup.png").stat().st_size > 10_000
     flat = [dict(r, curve=_curve([0.3, 0.3, 0.35, 0.4])) if r["method"] == "latent" else r for r in runs]
     md = report.markdown_table({"size": dataclasses.asdict(size), "runs": flat,
-                                "summary": speedup.summarize(size, flat)})  # fmt: skip
+                                "summary": runner.summarize(size, flat)})  # fmt: skip
     assert "no speedup measurable" in md and "| JIT-DDT recipe | 2/2" not in md
 
 
@@ -131,7 +132,7 @@ def test_report_names_the_machines_and_flags_a_mix():
     mixed = report.machines_line([{"machine_start": amd}, {"machine_start": intel}, {}])
     assert "AMD EPYC 7B13, 2 CPUs, cpu (1 run)" in mixed and "Intel(R) Xeon(R) Processor, 2 CPUs, cpu (1 run)" in mixed
     assert "CPU model not recorded" in mixed and "not wall or CPU seconds" in mixed
-    assert speedup.machine()["cpu"] == xla.cpu_model() != ""
+    assert protocol.machine()["cpu"] == xla.cpu_model() != ""
 
 
 def test_rescore_recomputes_alignment_from_saved_images(tmp_path):
@@ -139,7 +140,7 @@ def test_rescore_recomputes_alignment_from_saved_images(tmp_path):
     uniform noise scores little; the FLOP cost is recounted; other metrics stay; results.json and the report are
     rewritten."""
     size = dataclasses.replace(_size("cpu"), seeds=(0,), steps=200, evals=2)
-    cfg = speedup.build_config(size, "pixel_p8", 0)
+    cfg = protocol.build_config(size, "pixel_p8", 0)
     ds = pipeline.dataset_from_config(cfg.data)
     index = np.arange(len(ds) - 12, len(ds))
     real = np.stack([ds[int(i)]["image"] for i in index])
@@ -147,23 +148,23 @@ def test_rescore_recomputes_alignment_from_saved_images(tmp_path):
     (tmp_path / "runs").mkdir()
     runs = []
     for method, images in (("latent", real), ("recipe", noise)):
-        key = speedup._run_key(size, method, 0, ())
+        key = runner._run_key(size, method, 0, ())
         np.savez_compressed(tmp_path / "runs" / f"{key}.npz", index=index, step_100=images, step_200=images)
         runs.append(
-            {"method": method, "seed": 0, "curve": _curve([0.2, 0.5]), "config": speedup.config_lib.to_json(cfg)}
+            {"method": method, "seed": 0, "curve": _curve([0.2, 0.5]), "config": runner.config_lib.to_json(cfg)}
         )
     results = {"size": dataclasses.asdict(size), "runs": runs, "summary": {}}
     (tmp_path / "results.json").write_text(json.dumps(results))
-    out = speedup.rescore(tmp_path, log=lambda s: None)
+    out = runner.rescore(tmp_path, log=lambda s: None)
     b, r = out["runs"][0]["curve"][-1], out["runs"][1]["curve"][-1]
     assert b["align_overall"] == 1.0 and b["align_exact"] == 1.0
     assert r["align_overall"] < 0.2 and r["align_background"] <= alignment.CHANCE["background"] + 0.1
     assert b["kid"] == runs[0]["curve"][-1]["kid"]  # the other metrics stay
-    step_flops = speedup.executed_step_flops(cfg)  # the FLOP cost is recounted
+    step_flops = runner.executed_step_flops(cfg)  # the FLOP cost is recounted
     assert [p["flops"] for p in out["runs"][0]["curve"]] == [100 * step_flops, 200 * step_flops]
     assert "no speedup measurable" in (tmp_path / "speedup.md").read_text()  # the baseline gained nothing
     with pytest.raises(FileNotFoundError, match="results.json"):
-        speedup.rescore(tmp_path / "missing")
+        runner.rescore(tmp_path / "missing")
 
 
 class _Crash(Exception):
@@ -177,10 +178,10 @@ def test_a_benchmark_run_is_a_resumable_trainer_run(tmp_path):
     size = dataclasses.replace(_size("cpu"), steps=6, evals=3)
     tiny = ("model.width=32", "model.depth=3", "model.heads=2", "text.width=32", "data.image_size=16", "model.patch=4",
             "train.global_batch=8", "data.worker_threads=0", "sample.steps=2")  # fmt: skip
-    cfg = speedup.build_config(size, "pixel", 0, tiny)
+    cfg = protocol.build_config(size, "pixel", 0, tiny)
     kwargs = {"feature_spec": None}
     t0 = time.perf_counter()
-    straight = speedup.train_run(cfg, tmp_path / "straight", 2, 8, 4321, kwargs, n_final=12)
+    straight = runner.train_run(cfg, tmp_path / "straight", 2, 8, 4321, kwargs, n_final=12)
     elapsed = time.perf_counter() - t0
 
     def crash_at_4(point):
@@ -188,8 +189,8 @@ def test_a_benchmark_run_is_a_resumable_trainer_run(tmp_path):
             raise _Crash
 
     with pytest.raises(_Crash):
-        speedup.train_run(cfg, tmp_path / "split", 2, 8, 4321, kwargs, on_eval=crash_at_4, n_final=12)
-    split = speedup.train_run(cfg, tmp_path / "split", 2, 8, 4321, kwargs, n_final=12)
+        runner.train_run(cfg, tmp_path / "split", 2, 8, 4321, kwargs, on_eval=crash_at_4, n_final=12)
+    split = runner.train_run(cfg, tmp_path / "split", 2, 8, 4321, kwargs, n_final=12)
     assert [p["step"] for p in split["curve"]] == [p["step"] for p in straight["curve"]] == [2, 4, 6]
     for a, b in zip(straight["curve"], split["curve"], strict=True):
         for k in ("align_overall", "vloss", "train_loss", "samples", "flops"):
@@ -205,7 +206,7 @@ def test_a_benchmark_run_is_a_resumable_trainer_run(tmp_path):
     assert straight["curve"][-1]["wall_s"] < elapsed - evals - straight["compile_s"]
     assert straight["diverged"] is None and straight["step_flops"] > 0
     # the FLOP cost is the trainer's own count of its compiled step, the one a rescore recounts from the config
-    assert straight["step_flops"] == split["step_flops"] == speedup.executed_step_flops(cfg)
+    assert straight["step_flops"] == split["step_flops"] == runner.executed_step_flops(cfg)
 
 
 def test_a_signalled_run_writes_no_record_and_the_rerun_resumes_it(tmp_path):
@@ -222,16 +223,16 @@ def test_a_signalled_run_writes_no_record_and_the_rerun_resumes_it(tmp_path):
         if "step     2" in line and not any("reused" in x for x in lines):
             os.kill(os.getpid(), signal.SIGTERM)
 
-    runner = speedup.Runner(size, tmp_path, tiny, evaluator_kwargs={"feature_spec": None}, log=log)
-    with pytest.raises(speedup.RunStopped, match="stopped at step"):
-        runner.run("pixel", 0)
+    bench = runner.Runner(size, tmp_path, tiny, evaluator_kwargs={"feature_spec": None}, log=log)
+    with pytest.raises(runner.RunStopped, match="stopped at step"):
+        bench.run("pixel", 0)
     assert not list((tmp_path / "runs").glob("*.json"))
-    rec = runner.run("pixel", 0)
+    rec = bench.run("pixel", 0)
     [record] = (tmp_path / "runs").glob("*.json")
     assert [p["step"] for p in rec["curve"]] == [2, 4]
     short = dict(rec, curve=rec["curve"][:1])
-    assert speedup.complete(rec, 4) and not speedup.complete(short, 4)
-    assert runner.run("pixel", 0)["curve"] == rec["curve"] and lines[-1].endswith(f"reused from {record}")
+    assert runner.complete(rec, 4) and not runner.complete(short, 4)
+    assert bench.run("pixel", 0)["curve"] == rec["curve"] and lines[-1].endswith(f"reused from {record}")
 
 
 def _newton_schulz_flops(shape, steps):
@@ -246,16 +247,17 @@ def test_executed_flops_count_the_step_beyond_the_models_matmuls():
     (the analytic count) plus some elementwise work; switching the hidden weights to Muon adds what its
     Newton-Schulz iterations cost per step, counted here by hand from the shapes Muon takes, which the analytic
     model count (the same for both) does not see."""
-    from reve_jax import builder, flops
+    from reve_jax import flops
+    from reve_jax.train import builder
 
     tiny = ("model.width=32", "model.depth=3", "model.heads=2", "text.width=32", "data.image_size=16", "model.patch=4",
             "train.global_batch=8", "data.worker_threads=0")  # fmt: skip
     size = _size("cpu")
-    adamw_cfg = speedup.build_config(size, "pixel", 0, tiny)
-    muon_cfg = speedup.build_config(size, "pixel", 0, (*tiny, "optim.name='muon'"))
+    adamw_cfg = protocol.build_config(size, "pixel", 0, tiny)
+    muon_cfg = protocol.build_config(size, "pixel", 0, (*tiny, "optim.name='muon'"))
     model = flops.train_flops_per_image(adamw_cfg) * 8
     assert flops.train_flops_per_image(muon_cfg) * 8 == model
-    adamw = speedup.executed_step_flops(adamw_cfg)
+    adamw = runner.executed_step_flops(adamw_cfg)
     assert model < adamw < 1.25 * model, (adamw, model)
     setup = builder.build(muon_cfg).setup
     params = setup.abstract_state["params"]
@@ -266,9 +268,9 @@ def test_executed_flops_count_the_step_beyond_the_models_matmuls():
     ]
     assert shapes, "the test needs weights that Muon takes"
     ns = sum(_newton_schulz_flops(s, muon_cfg.optim.muon_ns_steps) for s in shapes)
-    added = speedup.executed_step_flops(muon_cfg) - adamw
+    added = runner.executed_step_flops(muon_cfg) - adamw
     assert 0.95 * ns < added < 1.1 * ns, (added, ns)
-    rec = speedup.count_flops({"curve": [{"step": 2}, {"step": 6}]}, adamw)
+    rec = runner.count_flops({"curve": [{"step": 2}, {"step": 6}]}, adamw)
     assert [p["flops"] for p in rec["curve"]] == [2 * adamw, 6 * adamw] and rec["step_flops"] == adamw
 
 
@@ -282,10 +284,10 @@ def test_sweep_extends_the_grid_until_the_winner_is_inside_then_picks_the_guidan
         trained.append((method, seed, lr, evals, rate))
         return {"curve": [{"align_overall": 1.0 - abs(np.log2(lr / 1.6e-2)) / 10}]}
 
-    monkeypatch.setattr(speedup.Runner, "run", fake_run)
-    monkeypatch.setattr(speedup, "guidance_scores", lambda workdir, size: {"1.5": 0.5, "2": 0.7, "3": 0.6})
+    monkeypatch.setattr(runner.Runner, "run", fake_run)
+    monkeypatch.setattr(sweeps, "guidance_scores", lambda workdir, size: {"1.5": 0.5, "2": 0.7, "3": 0.6})
     logs = []
-    result = speedup.sweep(size, tmp_path, ["latent"], max_extend=3, log=logs.append)
+    result = sweeps.sweep(size, tmp_path, ["latent"], max_extend=3, log=logs.append)
     lrs = [t[2] for t in trained]
     assert lrs == [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2] and {t[1] for t in trained} == {size.seeds[0]}
     assert all(t[3] == 1 for t in trained)  # sweep runs are evaluated at the end only
@@ -295,7 +297,7 @@ def test_sweep_extends_the_grid_until_the_winner_is_inside_then_picks_the_guidan
     assert "inside" in logs[-1] and "guidance 2" in logs[-1]
     # Muon's rate swept apart: the runs vary it, and its result joins sweep.json beside the main rate's
     trained.clear()
-    result = speedup.sweep(size, tmp_path, ["prx"], max_extend=3, rate="muon_lr", log=logs.append)
+    result = sweeps.sweep(size, tmp_path, ["prx"], max_extend=3, rate="muon_lr", log=logs.append)
     assert {t[4] for t in trained} == {"muon_lr"} and result["prx"]["muon_lr"] == 1.6e-2
     assert set(json.loads((tmp_path / "sweep.json").read_text())) == {"latent", "prx@muon_lr"}
 
@@ -316,12 +318,12 @@ def test_a_sweep_over_two_seeds_scores_each_rate_by_its_mean(tmp_path, monkeypat
         return {"curve": [{"align_overall": finals[seed][lr]}]}
 
     guidance = {"s0": {"1.5": 0.7, "3": 0.9}, "s1": {"1.5": 0.8, "3": 0.4}}
-    monkeypatch.setattr(speedup.Runner, "run", fake_run)
-    monkeypatch.setattr(speedup, "guidance_scores", lambda workdir, size: guidance[workdir.name.split("-")[-2]])
-    one = speedup.sweep(size, tmp_path / "one", ["latent"], log=lambda s: None)
+    monkeypatch.setattr(runner.Runner, "run", fake_run)
+    monkeypatch.setattr(sweeps, "guidance_scores", lambda workdir, size: guidance[workdir.name.split("-")[-2]])
+    one = sweeps.sweep(size, tmp_path / "one", ["latent"], log=lambda s: None)
     assert one["latent"]["lr"] == 8e-3 and one["latent"]["inside_grid"] and {s for s, _ in trained} == {0}
     trained.clear()
-    two = speedup.sweep(size, tmp_path / "two", ["latent"], seeds=(0, 1), log=lambda s: None)["latent"]
+    two = sweeps.sweep(size, tmp_path / "two", ["latent"], seeds=(0, 1), log=lambda s: None)["latent"]
     assert two["lr"] == 2e-3 and two["inside_grid"] and two["seeds"] == [0, 1]
     assert sorted(trained) == sorted((s, lr) for s in (0, 1) for lr in size.sweep_lrs)
     assert two["grid"]["0.002"] == pytest.approx(0.81) and two["per_seed"][1]["0.008"] == 0.45
@@ -333,19 +335,19 @@ def test_a_sweep_keeps_the_frozen_rate_and_guidance_on_an_exact_tie(tmp_path, mo
     variant's 1e-3 and guidance 1.5 on `cpu`) rather than the first listed; without a tie the best still wins, and
     a tie between settings that are not frozen goes to the first listed."""
     size = dataclasses.replace(_size("cpu"), sweep_lrs=(5e-4, 1e-3, 2e-3), cfg_scales=(1.0, 1.5, 2.0))
-    frozen = speedup.build_config(size, "prx", 0)
+    frozen = protocol.build_config(size, "prx", 0)
     assert (frozen.optim.lr, frozen.sample.cfg_scale) == (1e-3, 1.5), "the test assumes cpu's frozen PRX values"
     finals = {5e-4: 0.8, 1e-3: 0.8, 2e-3: 0.7}
     monkeypatch.setattr(
-        speedup.Runner, "run", lambda self, m, s, lr=None, **k: {"curve": [{"align_overall": finals[lr]}]}
+        runner.Runner, "run", lambda self, m, s, lr=None, **k: {"curve": [{"align_overall": finals[lr]}]}
     )
-    monkeypatch.setattr(speedup, "guidance_scores", lambda workdir, size: {"1": 0.85, "1.5": 0.85, "2": 0.6})
-    result = speedup.sweep(size, tmp_path / "tie", ["prx"], log=lambda s: None)["prx"]
+    monkeypatch.setattr(sweeps, "guidance_scores", lambda workdir, size: {"1": 0.85, "1.5": 0.85, "2": 0.6})
+    result = sweeps.sweep(size, tmp_path / "tie", ["prx"], log=lambda s: None)["prx"]
     assert result["lr"] == 1e-3 and result["inside_grid"] and result["cfg_scale"] == 1.5
     finals[5e-4] = 0.81  # no longer a tie: the better rate wins (at the grid's edge, so the grid grows below it)
     finals[2.5e-4] = 0.5
-    assert speedup.sweep(size, tmp_path / "best", ["prx"], log=lambda s: None)["prx"]["lr"] == 5e-4
-    assert speedup.pick({"1": 0.5, "2": 0.5, "3": 0.4}, "3") == "1"
+    assert sweeps.sweep(size, tmp_path / "best", ["prx"], log=lambda s: None)["prx"]["lr"] == 5e-4
+    assert sweeps.pick({"1": 0.5, "2": 0.5, "3": 0.4}, "3") == "1"
 
 
 def test_a_finished_run_is_reused_across_added_config_keys():
@@ -353,29 +355,29 @@ def test_a_finished_run_is_reused_across_added_config_keys():
     value it ran under; a real difference in any value does not match."""
     from reve_jax import config as config_lib
 
-    cfg = speedup.build_config(_size("cpu"), "recipe", 0)
+    cfg = protocol.build_config(_size("cpu"), "recipe", 0)
     saved = json.loads(config_lib.to_json(cfg))
     del saved["loss"]["dino_target"]  # a run from before the key existed
     old = json.dumps(saved, sort_keys=True)
-    assert old != config_lib.to_json(cfg) and speedup.same_config(old, cfg)
-    assert not speedup.same_config(old.replace('"dino_weight": 0.0', '"dino_weight": 0.5'), cfg)
+    assert old != config_lib.to_json(cfg) and protocol.same_config(old, cfg)
+    assert not protocol.same_config(old.replace('"dino_weight": 0.0', '"dino_weight": 0.5'), cfg)
     saved["loss"]["dino_target"] = "features"  # a value other than the one ADDED_KEYS says old runs had
-    assert not speedup.same_config(json.dumps(saved, sort_keys=True), cfg)
-    assert not speedup.same_config(None, cfg)
+    assert not protocol.same_config(json.dumps(saved, sort_keys=True), cfg)
+    assert not protocol.same_config(None, cfg)
     # Muon's settings do not count for a run that trains with AdamW; for a Muon run they do
     saved = json.loads(config_lib.to_json(cfg))
     saved["optim"]["muon_lr"] = 0.123
-    assert cfg.optim.name == "adamw" and speedup.same_config(json.dumps(saved), cfg)
+    assert cfg.optim.name == "adamw" and protocol.same_config(json.dumps(saved), cfg)
     saved["optim"]["lr"] = 0.123
-    assert not speedup.same_config(json.dumps(saved), cfg)
-    prx = speedup.build_config(_size("cpu"), "prx", 0)
+    assert not protocol.same_config(json.dumps(saved), cfg)
+    prx = protocol.build_config(_size("cpu"), "prx", 0)
     saved = json.loads(config_lib.to_json(prx))
     saved["optim"]["muon_lr"] = 0.123
-    assert prx.optim.name == "muon" and not speedup.same_config(json.dumps(saved), prx)
+    assert prx.optim.name == "muon" and not protocol.same_config(json.dumps(saved), prx)
     # the sampler's clamp: a run from before sample.t_eps sampled with training's (-1), which counts for an
     # x-predicting method and not for a v-predicting one (baseline A's images do not depend on it)
     for method, reused in (("recipe", False), ("latent", True)):
-        cfg = speedup.build_config(_size("cpu"), method, 0)
+        cfg = protocol.build_config(_size("cpu"), method, 0)
         saved = json.loads(config_lib.to_json(cfg))
         del saved["sample"]["t_eps"]
-        assert cfg.sample.t_eps == 0.0 and speedup.same_config(json.dumps(saved), cfg) is reused, method
+        assert cfg.sample.t_eps == 0.0 and protocol.same_config(json.dumps(saved), cfg) is reused, method

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from reve_jax.eval import target
+from reve_jax.speedup import target
 
 
 def _curve(values, step_s=1.0, every=100, batch=8, img_flops=1e9, metric="align_overall"):

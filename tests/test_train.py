@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from util import TINY, tiny_config
 
-from reve_jax import builder, sharding, train_state, trainer
+from reve_jax import sharding
 from reve_jax.checkpoint import Checkpointer, CheckpointError
+from reve_jax.train import builder, train_state, trainer
 
 
 class StopAt:

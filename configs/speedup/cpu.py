@@ -17,7 +17,7 @@ FROZEN holds the LR and guidance scale per method that the sweep chose (docs/spe
 
 from configs.recipe import common
 from configs.speedup import shared
-from reve_jax.eval.speedup import Protocol
+from reve_jax.speedup.runner import Protocol
 
 PROTOCOL = Protocol(
     name="cpu",

@@ -14,7 +14,7 @@ recipe's, `prx-<t>` the PRX variant's), the other further methods the `cpu` size
 """
 
 from configs.speedup import cpu
-from reve_jax.eval.speedup import Protocol
+from reve_jax.speedup.runner import Protocol
 
 PROTOCOL = Protocol(
     name="cpu30",

@@ -7,7 +7,7 @@ objects, an 8-block width-384 DiT, batch 128; baseline A on the 16x16x16 latents
 
 from configs.recipe import common
 from configs.speedup import shared
-from reve_jax.eval.speedup import Protocol
+from reve_jax.speedup.runner import Protocol
 
 PROTOCOL = Protocol(name="gpu", steps=2000, seeds=(0, 1, 2), n_eval=512, n_final=1024, baseline="latent",
                     methods=("recipe",), further=("pixel", "prx"))  # fmt: skip

@@ -222,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
         init_timeout=min(args.startup_timeout, 120.0),
         precompile_argv=[] if args.no_precompile else precompile_argv(args, overrides),
         # The trainer's modules, and TensorBoard's writer, which process 0 would import after the compile.
-        standby_imports="" if args.no_standby else ("reve_jax.trainer,tensorboardX" if is_trainer(args) else "jax"),
+        standby_imports=""
+        if args.no_standby
+        else ("reve_jax.train.trainer,tensorboardX" if is_trainer(args) else "jax"),
         devices_per_host=0 if args.gpus_per_host else (args.devices_per_host or (2 if local else 0)),
         # Workers of a supervisor that died (SIGKILL, lost node) stop by themselves instead of running on.
         orphan_timeout=max(60.0, 4 * args.heartbeat_timeout),

@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     xla.share_executables_between_processes()
     import jax
 
-    from reve_jax import builder, config
+    from reve_jax import config
+    from reve_jax.train import builder
 
     cfg = config.load_config(args.config, [o for o in overrides if o.startswith("--config.")])
     t0 = time.perf_counter()

@@ -1,0 +1,118 @@
+"""`SyntheticShapes`: random access to the synthetic dataset's samples (scene, caption, image) by index."""
+
+import numpy as np
+
+from reve_jax.data.synthetic.grammar import COLOR_NAMES, GRID, SHAPES, Scene, caption_of, sample_scene
+from reve_jax.data.synthetic.render import (
+    RENDERS,
+    Style,
+    geometry_strength,
+    render_jittered,
+    render_scene,
+    sample_style,
+)
+
+
+class SyntheticShapes:
+    """Random-access captioned shapes. `ds[i]` -> dict(image=uint8 [S,S,3], caption=str, description=Scene).
+
+    Args:
+      image_size: side S of the square images in pixels (any size from 9 up; 16 to 512 are the tested ones).
+      num_samples: length of the index space.
+      seed: content seed; sample i depends only on (seed, i).
+      max_objects, min_objects: each image has between min_objects and max_objects objects (1..9).
+      shapes, colors: the shapes and the palette (background and object colors, at least 2) scenes draw from;
+        () = all of SHAPES / COLOR_NAMES (the same scenes as earlier versions).
+      render: "jitter" (a distribution of images per caption) or "fixed" (one image per caption); see the module
+        docstring. The captions do not depend on it.
+    """
+
+    def __init__(
+        self,
+        image_size: int = 32,
+        num_samples: int = 1_000_000,
+        seed: int = 0,
+        max_objects: int = 3,
+        *,
+        min_objects: int = 1,
+        shapes: tuple[str, ...] = (),
+        colors: tuple[str, ...] = (),
+        render: str = "jitter",
+    ):
+        if image_size < 9:
+            raise ValueError(f"data.image_size={image_size}: need at least 9 pixels (3 per grid cell)")
+        if num_samples < 1:
+            raise ValueError(f"data.num_samples={num_samples}: need at least 1")
+        if seed < 0:
+            raise ValueError(f"data.seed={seed}: must be >= 0")
+        if not 1 <= max_objects <= GRID * GRID:
+            raise ValueError(f"data.max_objects={max_objects}: must be in [1, {GRID * GRID}]")
+        if not 1 <= min_objects <= max_objects:
+            raise ValueError(f"data.min_objects={min_objects}: must be in [1, data.max_objects={max_objects}]")
+        shapes, colors = tuple(shapes) or SHAPES, tuple(colors) or COLOR_NAMES
+        if not set(shapes) <= set(SHAPES) or len(set(shapes)) != len(shapes):
+            raise ValueError(f"data.shapes={shapes}: distinct names from {SHAPES}")
+        if not set(colors) <= set(COLOR_NAMES) or len(set(colors)) != len(colors) or len(colors) < 2:
+            raise ValueError(f"data.colors={colors}: at least 2 distinct names from {COLOR_NAMES}")
+        if render not in RENDERS:
+            raise ValueError(f"data.render={render!r}: choose one of {RENDERS}")
+        self.image_size = int(image_size)
+        self.num_samples = int(num_samples)
+        self.seed = int(seed)
+        self.max_objects, self.min_objects = int(max_objects), int(min_objects)
+        self.shapes, self.colors, self.render = shapes, colors, render
+        self.strength = geometry_strength(self.image_size)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _check_index(self, index: int) -> int:
+        i = int(index)
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"index {i} out of range [0, {self.num_samples})")
+        return i
+
+    def _draw(self, index: int) -> tuple[Scene, np.random.Generator]:
+        rng = np.random.default_rng([self.seed, self._check_index(index)])
+        return sample_scene(rng, self.max_objects, self.min_objects, self.shapes, self.colors), rng
+
+    def scene(self, index: int) -> Scene:
+        """The Scene of sample `index` (cheap: no rendering)."""
+        return self._draw(index)[0]
+
+    def caption(self, index: int) -> str:
+        """The caption of sample `index` (cheap: no rendering)."""
+        return caption_of(self.scene(index))
+
+    def style(self, index: int, variant: int = 0) -> Style | None:
+        """How sample `index` is drawn (None for the fixed rendering); variant > 0: another draw for its caption."""
+        if self.render == "fixed":
+            return None
+        scene, rng = self._draw(index)
+        if variant:
+            rng = np.random.default_rng([self.seed, int(index), int(variant)])
+        return sample_style(rng, scene, strength=self.strength)
+
+    def draw(self, scene: Scene, style_key: tuple[int, ...]) -> np.ndarray:
+        """Any `scene` (e.g. one a test or a control changed) in this dataset's rendering, its variation drawn from
+        `np.random.default_rng(style_key)`: uint8 [S, S, 3]."""
+        if self.render == "fixed":
+            return render_scene(scene, self.image_size)
+        style = sample_style(np.random.default_rng(style_key), scene, strength=self.strength)
+        return render_jittered(scene, style, self.image_size)
+
+    def image(self, index: int, variant: int = 0) -> np.ndarray:
+        """The image of sample `index`; variant > 0 draws another image of the same caption (the fixed rendering
+        has one). uint8 [S, S, 3]."""
+        scene = self.scene(index)
+        if self.render == "fixed":
+            return render_scene(scene, self.image_size)
+        return render_jittered(scene, self.style(index, variant), self.image_size)
+
+    def __getitem__(self, index: int) -> dict:
+        scene, rng = self._draw(index)
+        if self.render == "fixed":
+            image = render_scene(scene, self.image_size)
+        else:
+            image = render_jittered(scene, sample_style(rng, scene, strength=self.strength), self.image_size)
+        return {"image": image, "caption": caption_of(scene), "description": scene}

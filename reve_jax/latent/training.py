@@ -1,0 +1,153 @@
+"""Training the autoencoder once on a run's data, its cache and the reconstruction check."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from reve_jax import diffusion
+from reve_jax.data import pipeline
+from reve_jax.latent import ae_config, autoencoder
+
+log = logging.getLogger("reve_jax")
+
+
+def _data_key(cfg) -> dict:
+    """What decides the autoencoder: the data it sees and its own settings (not the diffusion model's, nor the run's
+    seeds: see `train`)."""
+    keys = ("name", "path", "image_size", "num_samples", "max_objects", "min_objects", "render", "shapes")
+    data = {k: cfg.data[k] for k in keys if k in cfg.data}
+    if cfg.data.get("colors"):  # the palette, keyed only when restricted: the keys of full-palette caches stand
+        data["colors"] = cfg.data.colors
+    data = {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
+    return {"data": data, "latent": {k: v for k, v in cfg.latent.to_dict().items() if k != "path"}}
+
+
+def cache_key(cfg) -> str:
+    return hashlib.sha256(json.dumps(_data_key(cfg), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _batches(cfg, batch: int, start: int):
+    it = pipeline.make_batch_iterator(cfg.data, cfg.text.max_len, batch, 0, 1, start * batch, text_cfg=cfg.text)
+    for b in it:
+        yield np.asarray(diffusion.to_unit(b["image"]))
+
+
+TRAIN_SEED = 0
+
+
+def train(cfg, log_every: int = 500) -> tuple[autoencoder.Autoencoder, dict]:
+    """Train the autoencoder of `cfg.latent` on `cfg.data` (latent.train_steps steps of latent.train_batch images,
+    AdamW with a cosine decay), then measure the latents' per-channel shift and scale. Returns (model, info).
+
+    The autoencoder belongs to the dataset, not to a run: it is initialised and fed with TRAIN_SEED whatever the
+    run's `seed` and `data.seed`, so every seed of a benchmark shares one (as Linum's runs share one VAE)."""
+    lt = cfg.latent
+    cfg = cfg.copy_and_resolve_references()
+    with cfg.unlocked():
+        cfg.seed = cfg.data.seed = TRAIN_SEED
+    model = autoencoder.Autoencoder(ae_config(cfg), rngs=nnx.Rngs(cfg.seed))
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    sched = optax.cosine_decay_schedule(lt.train_lr, lt.train_steps, alpha=0.05)
+    opt = optax.adamw(sched, b1=0.9, b2=0.99, weight_decay=0.0)
+    opt_state = opt.init(params)
+
+    def loss_fn(p, x, key):
+        m = nnx.merge(graphdef, p, rest)
+        z = m.encode_raw(x)
+        spread = jax.lax.stop_gradient(jnp.std(z)) + 1e-6
+        recon = m.decode_raw(z + lt.train_noise * spread * jax.random.normal(key, z.shape))
+        mse = jnp.mean((recon - x) ** 2)
+        return mse + lt.l1_weight * jnp.mean(jnp.abs(recon - x)) + lt.latent_l2 * jnp.mean(z**2), mse
+
+    @jax.jit
+    def step(p, o, x, key):
+        (loss, mse), g = jax.value_and_grad(loss_fn, has_aux=True)(p, x, key)
+        updates, o = opt.update(g, o, p)
+        return optax.apply_updates(p, updates), o, mse
+
+    t0 = time.perf_counter()
+    key = jax.random.key(cfg.seed)
+    mse = float("nan")
+    for i, x in zip(range(lt.train_steps), _batches(cfg, lt.train_batch, 0), strict=False):
+        params, opt_state, mse = step(params, opt_state, x, jax.random.fold_in(key, i))
+        if log_every and (i + 1) % log_every == 0:
+            log.info("autoencoder step %d/%d: reconstruction mse %.5f", i + 1, lt.train_steps, float(mse))
+    model = nnx.merge(graphdef, params, rest)
+    seconds = time.perf_counter() - t0
+    shift, scale = _latent_stats(model, cfg)
+    model.shift[...], model.scale[...] = shift, scale
+    info = {
+        "steps": lt.train_steps,
+        "batch": lt.train_batch,
+        "train_s": seconds,
+        "train_cpu_note": "wall-clock seconds of the training loop on the machine in `machine`",
+        "machine": {"devices": [d.device_kind for d in jax.devices()], "jax": jax.__version__},
+        "final_mse": float(mse),
+        "train_flops": 3 * autoencoder.encoder_flops_per_image(ae_config(cfg), *_hw(cfg)) * 2 * lt.train_steps
+        * lt.train_batch,
+        "key": _data_key(cfg),
+    }  # fmt: skip
+    return model, info
+
+
+def _hw(cfg) -> tuple[int, int]:
+    return cfg.data.image_size, cfg.data.image_size
+
+
+def _latent_stats(model, cfg, n_batches: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """Per-channel mean and std of the raw latents over n_batches batches past the training data."""
+    enc = jax.jit(model.encode_raw)
+    zs = [np.asarray(enc(x)) for _, x in zip(range(n_batches), _batches(cfg, 64, 10**6), strict=False)]
+    z = np.concatenate(zs).reshape(-1, cfg.latent.channels)
+    return z.mean(0).astype(np.float32), (z.std(0) + 1e-6).astype(np.float32)
+
+
+def reconstruct(model: autoencoder.Autoencoder, images: np.ndarray, batch: int = 128) -> np.ndarray:
+    """decode(encode(images)) for images [n, H, W, 3] in [-1, 1], clipped to [-1, 1]."""
+    fn = jax.jit(lambda x: jnp.clip(model.decode(model.encode(x)), -1, 1))
+    return np.concatenate([np.asarray(fn(images[i : i + batch])) for i in range(0, len(images), batch)])
+
+
+def check_reconstructions(cfg, model: autoencoder.Autoencoder, n: int = 256) -> dict:
+    """Caption alignment (eval/alignment.py) of the autoencoder's reconstructions of `n` held-out images, beside
+    the real images' own score, per attribute (`recon_<attribute>`), and the reconstruction PSNR."""
+    from reve_jax.data.synthetic import alignment
+    from reve_jax.metrics import vloss
+
+    ds = pipeline.dataset_from_config(cfg.data)
+    idx = vloss.heldout_indices(ds.num_samples, n)
+    real = np.asarray(diffusion.to_unit(np.stack([ds[int(i)]["image"] for i in idx])))
+    scenes = [ds.scene(int(i)) for i in idx]
+    recon = reconstruct(model, real)
+    mse = float(np.mean((recon - real) ** 2))
+    scores = alignment.score(recon, scenes)
+    return {
+        "align_real": alignment.score(real, scenes)["align_overall"],
+        "align_recon": scores["align_overall"],
+        **{f"recon_{a}": scores[f"align_{a}"] for a in alignment.ATTRIBUTES},
+        "psnr": float(10 * np.log10(4.0 / max(mse, 1e-12))),
+        "n": n,
+    }
+
+
+def cached(cfg, cache_dir: str | Path) -> tuple[Path, dict]:
+    """The autoencoder for `cfg`'s data and latent settings from `cache_dir`, trained and checked there first when
+    missing (training cost and reconstruction scores in its info). Returns (path, info)."""
+    path = Path(cache_dir) / f"autoencoder_{cache_key(cfg)}.npz"
+    if path.is_file():
+        return path, autoencoder.load(path)[1]["info"]
+    log.info("training the autoencoder (%d steps) into %s", cfg.latent.train_steps, path)
+    model, info = train(cfg)
+    info["check"] = check_reconstructions(cfg, model)
+    autoencoder.save(model, path, info)
+    return path, info

@@ -1,0 +1,109 @@
+"""A benchmark size's protocol (configs/speedup/<size>.py) and the config of each of its runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+from pathlib import Path
+
+import jax
+
+from reve_jax import config as config_lib
+from reve_jax import xla
+
+PRIMARY = "align_overall"
+
+
+@dataclasses.dataclass(frozen=True)
+class Protocol:
+    """A benchmark size's protocol (see the module docstring); the run configs come from the same file.
+
+    steps: the budget of every run; evals: evaluations over it (every steps/evals steps); n_eval / n_final: held-out
+    captions per evaluation / at the end; seeds; baseline: the method the others are timed against; methods: the
+    headline comparison; further: the other methods of the size (baseline B, the PRX variant, ablations), run by
+    their own command; sweep_lrs: the LR grid the sweep starts from; cfg_scales: the guidance scales it tries;
+    gate_final / gate_gain: the validity gate; min_recon_align: the autoencoder's reconstruction check."""
+
+    name: str
+    steps: int
+    seeds: tuple[int, ...] = (0, 1, 2)
+    evals: int = 20
+    n_eval: int = 256
+    n_final: int = 512
+    baseline: str = "latent"
+    methods: tuple[str, ...] = ("recipe",)
+    further: tuple[str, ...] = ()
+    sweep_lrs: tuple[float, ...] = (5e-4, 1e-3, 2e-3, 4e-3)
+    cfg_scales: tuple[float, ...] = (1.5, 3.0, 5.0)
+    gate_final: float = 0.45
+    gate_gain: float = 0.2
+    min_recon_align: float = 0.98
+    eval_seed: int = 4321
+    config: str = ""
+
+    @property
+    def eval_every(self) -> int:
+        return max(1, self.steps // self.evals)
+
+
+def load_protocol(path: str | Path) -> Protocol:
+    """The PROTOCOL of a speedup config file (configs/speedup/<size>.py), with its path recorded."""
+    module = config_lib.load_module(str(path))
+    if not isinstance(getattr(module, "PROTOCOL", None), Protocol):
+        raise config_lib.ConfigError(f"{path} defines no PROTOCOL = speedup.Protocol(...): not a speedup size file")
+    return dataclasses.replace(module.PROTOCOL, config=str(path))
+
+
+def machine() -> dict:
+    """Where the benchmark ran: host, CPU model and count, JAX devices and the load average (other users' work
+    counts)."""
+    return {
+        "host": platform.node(),
+        "cpu": xla.cpu_model(),
+        "cpus": os.cpu_count(),
+        "devices": [d.device_kind for d in jax.devices()],
+        "jax": jax.__version__,
+        "loadavg": list(os.getloadavg()),
+    }
+
+
+RATES = ("lr", "muon_lr")  # the optimizer rates a sweep can vary: the main (AdamW) group's, Muon's group's
+
+
+def build_config(size: Protocol, method: str, seed: int, extra: tuple[str, ...] = (), lr: float | None = None,
+                 rate: str = "lr"):  # fmt: skip
+    """The config of one run: the size file's config for `method` (its model, data, frozen LR and guidance), then
+    the protocol's budget and checkpoint cadence (a checkpoint at every evaluation), the seed (model and data),
+    `lr` when given (the sweep) as the optimizer's `rate` (one of RATES; the other keeps its frozen value), and
+    `extra` overrides."""
+    if rate not in RATES:
+        raise ValueError(f"unknown rate {rate!r}: a sweep varies one of {RATES}")
+    items = [f"train.steps={size.steps}", f"train.ckpt_every={size.eval_every}", f"seed={seed}", f"data.seed={seed}"]
+    if lr is not None:
+        items.append(f"optim.{rate}={lr!r}")
+    cfg = config_lib.load_config(f"{size.config}:{method}", [*items, *extra])
+    if lr is not None and rate == "muon_lr" and cfg.optim.name != "muon":
+        raise ValueError(f"{method} trains with {cfg.optim.name}, not Muon: sweep its rate with --rate lr")
+    return cfg
+
+
+def _read_keys(cfg_json: str) -> dict:
+    """A config's JSON as a dict without the keys the run never read: Muon's settings (optim.muon_*) when the
+    optimizer is not Muon, the sampler's clamp (sample.t_eps) when the model does not predict x."""
+    d = json.loads(cfg_json)
+    if d["optim"]["name"] != "muon":
+        d["optim"] = {k: v for k, v in d["optim"].items() if not k.startswith("muon_")}
+    if d["diffusion"]["prediction"] != "x":
+        d["sample"] = {k: v for k, v in d["sample"].items() if k != "t_eps"}
+    return d
+
+
+def same_config(saved: str | None, cfg) -> bool:
+    """Whether a finished run's saved config (JSON) is `cfg`'s; keys added to the config since it ran are read at
+    the value it ran under (config.ADDED_KEYS), so a new option does not invalidate finished runs, and keys the run
+    never read do not count (`_read_keys`: an AdamW run does not depend on Muon's rate)."""
+    if saved is None:
+        return False
+    return _read_keys(config_lib.to_json(config_lib.from_json(saved))) == _read_keys(config_lib.to_json(cfg))

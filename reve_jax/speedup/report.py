@@ -1,0 +1,184 @@
+"""The speedup benchmark's outputs: results.json, a markdown report (speedup.md) and a plot of quality against
+wall clock and against steps (speedup.png, matplotlib with the Agg backend)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+
+LABELS = {
+    "latent": "baseline A: latent DiT (v-pred, autoencoder)",
+    "pixel": "baseline B: pixel DiT (v-pred, 48 values/token)",
+    "pixel_p8": "control: pixel DiT (v-pred, 192 values/token)",
+    "recipe": "JIT-DDT recipe",
+    "prx": "PRX variant (recipe + TREAD + Muon)",
+}
+COST_NAMES = {"step": "steps", "samples": "samples", "flops": "TFLOP", "wall_s": "wall s", "cpu_s": "CPU s"}
+
+
+def label(method: str) -> str:
+    if method in LABELS:
+        return LABELS[method]
+    for base, name in (("recipe-", "recipe"), ("prx-", "PRX")):
+        if method.startswith(base):
+            return f"{name} without {method.removeprefix(base)}"
+    return method
+
+
+def _ci(v, fmt: str = "{:.3f}", scale: float = 1.0) -> str:
+    """(value, lo, hi) -> 'value [lo, hi]'."""
+    if v is None or not math.isfinite(v[0]):
+        return "-"
+    m, lo, hi = (x * scale for x in v)
+    return fmt.format(m) if lo == hi else f"{fmt.format(m)} [{fmt.format(lo)}, {fmt.format(hi)}]"
+
+
+def _order(methods, baseline: str) -> list[str]:
+    methods = list(dict.fromkeys(methods))
+    return [baseline] * (baseline in methods) + [m for m in methods if m != baseline]
+
+
+def machines_line(runs: list[dict]) -> str:
+    """Which CPUs the runs trained on (from each run's `machine_start`): wall and CPU seconds compare only runs of
+    one machine, and a benchmark that reuses runs can mix them."""
+    counts: dict[str, int] = {}
+    for r in runs:
+        m = r.get("machine_start") or {}
+        devices = ", ".join(m.get("devices") or ["?"])
+        name = f"{m.get('cpu') or 'CPU model not recorded'}, {m.get('cpus', '?')} CPUs, {devices}"
+        counts[name] = counts.get(name, 0) + 1
+    line = "Trained on: " + "; ".join(f"{k} ({n} run{'s' * (n != 1)})" for k, n in counts.items()) + "."
+    if len(counts) > 1:
+        line += " **The runs trained on different machines: compare steps, samples and FLOPs, not wall or CPU "
+        line += "seconds.**"
+    return line
+
+
+def markdown_table(results: dict) -> str:
+    """The gate, the time-to-target table (per cost, mean over seeds with a 95% bootstrap interval over seeds, and
+    the paired speedup), finals, and the per-attribute alignment."""
+    size, summary = results["size"], results["summary"]
+    baseline = size["baseline"]
+    lines = [f"Size `{size['name']}`: {size['steps']} steps per run, seeds {list(size['seeds'])}, evaluated every "
+             f"{max(1, size['steps'] // size['evals'])} steps on {size['n_eval']} held-out captions "
+             f"({size['n_final']} at the end). Intervals: 95% bootstrap over seeds.", ""]  # fmt: skip
+    lines += [machines_line(results.get("runs", [])), ""]
+    gate = summary["gate"]
+    lines.append(("Validity gate passed: " if gate["ok"] else "**") + gate["why"] + ("" if gate["ok"] else "**"))
+    lines.append("")
+    paired = summary["paired"].get("align_overall", {})
+    if gate["ok"] and paired:
+        lines += [
+            "Time to the seed's baseline final caption alignment (crossing interpolated between evaluations and "
+            "held for two; `>` = not reached within the budget, the run's budget shown):",
+            "",
+            "| method | seeds reaching | " + " | ".join(COST_NAMES[k] for k in COST_NAMES) + " | speedup steps | "
+            "speedup wall | speedup CPU |",
+            "|---" * (5 + len(COST_NAMES)) + "|",
+        ]
+        for m in _order(paired, baseline):
+            r = paired[m]
+            mark = ">" if r["censored"] else ""
+            costs = [mark + _ci(r["cost"][k], "{:.0f}" if k != "flops" else "{:.1f}", 1e-12 if k == "flops" else 1)
+                     for k in COST_NAMES]  # fmt: skip
+            sp = ["<=" * r["censored"] + _ci(r["speedup"][k], "{:.2f}") + "x" for k in ("step", "wall_s", "cpu_s")]
+            lines.append(f"| {label(m)} | {r['reached']}/{r['seeds']} | " + " | ".join(costs + sp) + " |")
+        lines.append("")
+    finals = summary["finals"]
+    cols = [m for m in ("final_align_overall", "align_overall", "final_kid", "kid", "vloss") if any(
+        m in f for f in finals.values())]  # fmt: skip
+    if cols:
+        lines += ["Final quality (mean over seeds [95% interval]):", "",
+                  "| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]  # fmt: skip
+        for m in _order(finals, baseline):
+            lines.append(f"| {label(m)} | " + " | ".join(_ci(finals[m].get(c), "{:.4f}") for c in cols) + " |")
+    return "\n".join(lines) + "\n" + attribute_table(results)
+
+
+def attribute_table(results: dict) -> str:
+    """Final per-attribute caption alignment per method (mean over seeds), markdown; "" without runs."""
+    from reve_jax.data.synthetic.alignment import ATTRIBUTES
+
+    runs = [r for r in results.get("runs", []) if r["curve"]]
+    if not runs:
+        return ""
+    lines = ["", "Final caption alignment per attribute (mean over seeds):", ""]
+    lines.append("| method | " + " | ".join(ATTRIBUTES) + " | all checks of an image |")
+    lines.append("|---" * (len(ATTRIBUTES) + 2) + "|")
+    for m in _order([r["method"] for r in runs], results["size"]["baseline"]):
+        last = [r["curve"][-1] for r in runs if r["method"] == m]
+        vals = [np.mean([f.get(f"align_{a}", np.nan) for f in last]) for a in (*ATTRIBUTES, "exact")]
+        lines.append(f"| {label(m)} | " + " | ".join(f"{v:.3f}" for v in vals) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _mean_curve(runs: list[dict], key: str, metric: str):
+    steps = sorted({p["step"] for r in runs for p in r["curve"]})
+    xs, ys = [], []
+    for s in steps:
+        pts = [p for r in runs for p in r["curve"] if p["step"] == s and metric in p]
+        if len(pts) == len(runs):  # only where every seed has a point (a diverged run ends early)
+            xs.append(np.mean([p[key] for p in pts]))
+            ys.append(np.mean([p[metric] for p in pts]))
+    return xs, ys
+
+
+def kid_scale(values) -> tuple:
+    """The y scale of a KID plot: log while every value is positive, else symlog, linear within 1e-3 of 0 (the
+    unbiased estimator goes below 0 near the floor); a symlog axis of positive values wastes half the plot on
+    negatives."""
+    return ("log", {}) if min(values, default=1.0) > 0 else ("symlog", {"linthresh": 1e-3})
+
+
+def plot(results: dict, path: str | Path, metrics=("align_overall", "kid")) -> Path:
+    """Quality (rows: `metrics`) against training wall clock and against steps (columns); per method the mean over
+    seeds in bold and each seed thin; the baseline's final (mean over seeds) dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [r for r in results["runs"] if r["curve"]]
+    metrics = [m for m in metrics if runs and all(m in r["curve"][-1] for r in runs)]
+    baseline = results["size"]["baseline"]
+    methods = _order([r["method"] for r in runs], baseline)
+    fig, axes = plt.subplots(max(1, len(metrics)), 2, figsize=(12, 4.2 * max(1, len(metrics))), squeeze=False)
+    colors = plt.get_cmap("tab10")
+    for row, metric in enumerate(metrics):
+        for col, key in enumerate(("wall_s", "step")):
+            ax = axes[row][col]
+            for i, m in enumerate(methods):
+                rs = [r for r in runs if r["method"] == m]
+                for r in rs:
+                    pts = [p for p in r["curve"] if metric in p]
+                    ax.plot([p[key] for p in pts], [p[metric] for p in pts], color=colors(i), alpha=0.3, lw=0.8)
+                xs, ys = _mean_curve(rs, key, metric)
+                ax.plot(xs, ys, color=colors(i), lw=2, marker="o", ms=3, label=label(m))
+            base = [r["curve"][-1][metric] for r in runs if r["method"] == baseline]
+            if base:
+                ax.axhline(float(np.mean(base)), color="k", ls="--", lw=1, label="baseline final (target)")
+            ax.set_xlabel("training wall clock (s)" if key == "wall_s" else "training steps")
+            ax.set_ylabel(metric)
+            if metric == "kid":
+                scale, kw = kid_scale([p[metric] for r in runs for p in r["curve"] if metric in p])
+                ax.set_yscale(scale, **kw)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle(f"speedup benchmark, size {results['size']['name']}")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(results: dict, out_dir: str | Path) -> None:
+    """results.json, speedup.md and speedup.png in `out_dir` (rewritten as results come in)."""
+    out = Path(out_dir)
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "speedup.md").write_text(markdown_table(results))
+    if any(r["curve"] for r in results["runs"]):
+        plot(results, out / "speedup.png")

@@ -1,0 +1,275 @@
+"""Running the benchmark: one trainer run per (method, seed) with the evaluation hook, reused when finished;
+the comparison and its report; rescoring a finished benchmark."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import hashlib
+import json
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from reve_jax import config as config_lib
+from reve_jax import flops
+from reve_jax.data import pipeline
+from reve_jax.data.synthetic import alignment
+from reve_jax.latent import training as latent_training
+from reve_jax.metrics import hook
+from reve_jax.speedup import target
+from reve_jax.speedup.protocol import PRIMARY, Protocol, build_config, machine, same_config
+from reve_jax.speedup.report import write_outputs
+
+
+def with_autoencoder(cfg, size: Protocol, cache_dir: Path, log: Callable[[str], None] = print):
+    """A latent run's config with latent.path set to the size's cached autoencoder (trained and checked on first
+    use); pixel runs unchanged. Returns (config, the autoencoder's training record or None). Raises RuntimeError
+    when the reconstructions fail the check: a latent baseline must not lose to its own autoencoder."""
+    if not cfg.latent.path:
+        return cfg, None
+    path, info = latent_training.cached(cfg, cache_dir)
+    check = info.get("check", {})
+    nan = float("nan")
+    log(
+        f"autoencoder {path.name}: trained in {info.get('train_s', nan):.0f}s, reconstructions align "
+        f"{check.get('align_recon', nan):.3f} (real images {check.get('align_real', nan):.3f})"
+    )
+    if check.get("align_recon", 0.0) < size.min_recon_align:
+        raise RuntimeError(
+            f"the autoencoder's reconstructions score {check.get('align_recon')} caption alignment, below "
+            f"{size.min_recon_align}: train it longer or wider (latent.train_steps, latent.width) before benchmarking"
+        )
+    config_lib.apply_override(cfg, f"latent.path='{path}'")
+    return cfg, info
+
+
+def executed_step_flops(cfg) -> float:
+    """FLOPs of one train step of `cfg` as XLA counts them in the lowered step: every operation it executes, the
+    model's and the optimizer's (Muon's Newton-Schulz iterations) and the frozen networks' (baseline A's encoder,
+    REPA's target network). The benchmark's FLOP cost is this count, not `flops.train_flops_per_image` (the model's
+    matmuls, the convention of MFU), which misses whatever a method adds beside the model: at the CPU size the PRX
+    variant executes 330 MFLOP per image where its model's matmuls count 164 (docs/speedup.md)."""
+    from reve_jax.train import builder
+
+    count = builder.lowered_flops(builder.build(cfg).lower())
+    if not math.isfinite(count):
+        raise RuntimeError(f"XLA gives no FLOP count for the train step of {cfg.name} on {jax.default_backend()}")
+    return count
+
+
+def count_flops(rec: dict, step_flops: float) -> dict:
+    """`rec` (a run record) with its FLOP cost at `step_flops` per step: every evaluation's cumulative "flops" is
+    its step times that (a benchmark run trains one image shape, so every step costs the same)."""
+    for point in rec["curve"]:
+        point["flops"] = point["step"] * step_flops
+    rec["step_flops"] = step_flops
+    return rec
+
+
+def train_run(cfg, workdir: str | Path, eval_every: int, n_eval: int, eval_seed: int, evaluator_kwargs=None,
+              on_eval=None, n_final: int | None = None) -> dict:  # fmt: skip
+    """Trains `cfg` in `workdir` with the trainer (resuming what a killed benchmark left there), evaluating the EMA
+    weights every `eval_every` steps and at the end (eval/hook.py; the last evaluation also on `n_final` captions).
+
+    Returns a JSON-able record: {"curve": [{"step", "samples", "flops", "wall_s", "cpu_s", <metrics>}, ...],
+    "compile_s", "step_flops" (executed, `executed_step_flops`), "model_step_flops" (the model's matmuls),
+    "diverged" (step or None)}. wall_s and cpu_s are training time only (cumulative), measured with the step's
+    outputs ready."""
+    from reve_jax.train import trainer
+
+    ev = hook.EvalHook(workdir, eval_every, n_eval, eval_seed, evaluator_kwargs, on_eval, n_final=n_final)
+    diverged, step_flops = None, float("nan")
+    try:
+        summary = trainer.run(cfg, workdir, extra_hooks=[ev])
+        if summary["reason"] not in ("finished", "diverged"):  # a signal: the run's checkpoint resumes it
+            raise RunStopped(
+                f"{workdir}: stopped at step {summary['step']} of {cfg.train.steps} ({summary['reason']}); run the "
+                "same benchmark command again to resume it from its checkpoint"
+            )
+        compile_s = summary["compile_s"]
+        counts = list(summary["step_flops_executed"].values())
+        step_flops = counts[0] if len(counts) == 1 else step_flops  # the trainer's own count of the one shape
+    except trainer.NonFiniteError as e:
+        diverged, compile_s = e.step, None
+    points = hook.read_points(Path(workdir) / "eval.jsonl")
+    curve = [p for p in points if not p.get("diverged")]
+    if diverged is None:
+        diverged = next((p["step"] for p in points if p.get("diverged")), None)
+    record = {
+        "curve": curve,
+        "compile_s": compile_s,
+        "model_step_flops": flops.train_flops_per_image(cfg) * cfg.train.global_batch,
+        "diverged": diverged,
+    }
+    return count_flops(record, step_flops if math.isfinite(step_flops) else executed_step_flops(cfg))
+
+
+class RunStopped(RuntimeError):
+    """A benchmark run stopped before its budget (a signal): no record is written, a rerun resumes it."""
+
+
+def complete(rec: dict, steps: int) -> bool:
+    """Whether a saved run record covers its budget: it diverged or its curve reaches `steps` (a record with a
+    shorter curve came from a stopped run, written so by versions before RunStopped, and is trained on)."""
+    return bool(rec.get("diverged")) or bool(rec.get("curve")) and rec["curve"][-1]["step"] >= steps
+
+
+def _run_key(size: Protocol, method: str, seed: int, extra, lr: float | None = None, rate: str = "lr") -> str:
+    tag = hashlib.sha256("\n".join(extra).encode()).hexdigest()[:8] if extra else ""
+    lr_tag = f"-{rate.replace('_', '')}{lr:g}" if lr is not None else ""
+    return f"{size.name}-{method}{lr_tag}-s{seed}" + (f"-{tag}" if tag else "")
+
+
+class Runner:
+    """Runs (or reuses) benchmark runs into `<out>/runs/`."""
+
+    def __init__(self, size: Protocol, out: Path, extra=(), cache_dir=None, evaluator_kwargs=None, log=print):
+        self.size, self.out, self.extra, self.log = size, Path(out), tuple(extra), log
+        self.cache_dir = Path(cache_dir) if cache_dir else self.out / "cache"
+        self.ev_kwargs = {"cache_dir": self.cache_dir, **(evaluator_kwargs or {})}
+        self.autoencoders: dict[str, dict] = {}
+        (self.out / "runs").mkdir(parents=True, exist_ok=True)
+
+    def run(self, method: str, seed: int, lr: float | None = None, *, evals: int | None = None,
+            rate: str = "lr") -> dict:  # fmt: skip
+        size = self.size if evals is None else dataclasses.replace(self.size, evals=evals)
+        key = _run_key(size, method, seed, self.extra, lr, rate) + ("" if evals is None else f"-e{evals}")
+        path = self.out / "runs" / f"{key}.json"
+        cfg = build_config(size, method, seed, self.extra, lr, rate)
+        cfg, ae = with_autoencoder(cfg, size, self.cache_dir, self.log)
+        if ae is not None:
+            self.autoencoders[cfg.latent.path] = ae
+        if path.exists():
+            rec = json.loads(path.read_text())
+            if same_config(rec.get("config"), cfg) and complete(rec, size.steps):
+                self.log(f"[{key}] reused from {path}")
+                return rec
+        workdir = self.out / "runs" / key
+        if (workdir / "config.json").exists() and not same_config((workdir / "config.json").read_text(), cfg):
+            raise RuntimeError(f"{workdir} holds a run of another config: move it away or use another --out")
+        muon = f", muon lr {cfg.optim.muon_lr or cfg.optim.lr:g}" if cfg.optim.name == "muon" else ""
+        self.log(f"[{key}] {size.steps} steps, lr {cfg.optim.lr:g}{muon}, cfg {cfg.sample.cfg_scale:g}, "
+                 f"{flops.train_flops_per_image(cfg) / 1e6:.1f} MFLOP per image")  # fmt: skip
+
+        def on_eval(p):
+            if p.get("diverged"):
+                self.log(f"[{key}] step {p['step']:5d}  diverged (loss {p['train_loss']})")
+                return
+            self.log(
+                f"[{key}] step {p['step']:5d}  train {p['wall_s']:7.1f}s  align {p['align_overall']:.3f}  "
+                f"exact {p['align_exact']:.3f}  kid {p.get('kid', float('nan')):.4f}  (eval {p['eval_s']:.1f}s)"
+            )
+
+        record = {"machine_start": machine()}
+        record.update(
+            train_run(cfg, workdir, size.eval_every, size.n_eval, size.eval_seed, self.ev_kwargs, on_eval,
+                      n_final=size.n_final)
+        )  # fmt: skip
+        record["machine_end"] = machine()
+        _pack_images(workdir, self.out / "runs" / f"{key}.npz", size, cfg)
+        gc.collect()  # the input pipeline's reader threads of the finished run must not compete with the next
+        record.update(method=method, seed=seed, lr=cfg.optim.lr, muon_lr=cfg.optim.muon_lr,
+                      cfg_scale=cfg.sample.cfg_scale, config=config_lib.to_json(cfg))  # fmt: skip
+        path.write_text(json.dumps(record))
+        return record
+
+
+def _pack_images(workdir: Path, dest: Path, size: Protocol, cfg) -> None:
+    """Every evaluation's images of a run in one .npz (keys step_<n>, and the held-out `index`) for `rescore`."""
+    from reve_jax.metrics import vloss
+
+    images = hook.load_images(workdir)
+    index = vloss.heldout_indices(cfg.data.num_samples, size.n_eval)
+    np.savez_compressed(dest, index=index, **{f"step_{k}": v for k, v in images.items()})
+
+
+def summarize(size: Protocol, runs: list[dict]) -> dict:
+    """The analysis of a comparison: the gate, paired speedups per metric, finals with intervals."""
+    ok, why = target.gate(runs, size.baseline, PRIMARY, size.gate_final, size.gate_gain)
+    metrics = ("align_overall", "align_exact", "kid", "final_align_overall", "final_kid", "vloss")
+    return {
+        "gate": {"ok": ok, "why": why},
+        "paired": {m: target.paired(runs, size.baseline, m) for m in ("align_overall", "kid") if _has(runs, m)},
+        "finals": target.finals(runs, tuple(m for m in metrics if _has(runs, m))),
+    }
+
+
+def _has(runs, metric) -> bool:
+    return bool(runs) and all(r["curve"] and metric in r["curve"][-1] for r in runs)
+
+
+def run_benchmark(size: Protocol, out_dir, *, methods=None, extra=(), cache_dir=None, evaluator_kwargs=None,
+                  log: Callable[[str], None] = print) -> dict:  # fmt: skip
+    """Runs the baseline and `methods` (default: the size's headline methods) on every seed, seed by seed so slow
+    drifts of the machine's load hit all methods alike, into `out_dir` (runs/, results.json, speedup.md,
+    speedup.png), reusing finished runs. Returns the results dict."""
+    if not size.config:
+        raise ValueError("the protocol has no config file: load it with speedup.load_protocol(path)")
+    out = Path(out_dir)
+    runner = Runner(size, out, extra, cache_dir, evaluator_kwargs, log)
+    methods = tuple(methods or size.methods)
+    t_start = time.perf_counter()
+    runs: list[dict] = []
+
+    def publish(note: str) -> dict:
+        results = {
+            "size": dataclasses.asdict(size),
+            "methods": [size.baseline, *methods],
+            "extra": list(extra),
+            "note": note,
+            "elapsed_s": time.perf_counter() - t_start,
+            "machine": machine(),
+            "autoencoders": runner.autoencoders,
+            "summary": summarize(size, runs),
+            "runs": runs,
+        }
+        write_outputs(results, out)
+        return results
+
+    for seed in size.seeds:
+        for method in (size.baseline, *(m for m in methods if m != size.baseline)):
+            runs.append(runner.run(method, seed))
+            publish(f"after {method} seed {seed}")
+    return publish("complete")
+
+
+def rescore(out_dir: str | Path, log: Callable[[str], None] = print) -> dict:
+    """Recomputes the caption alignment of every run of a finished benchmark in `out_dir` from the images its
+    evaluations saved (`runs/<key>.npz`), with the current `alignment` reader, and its FLOP cost with the current
+    count (`executed_step_flops`), then rewrites the run records, results.json and the report: a change to the
+    reader or the count needs no retraining. Other metrics are kept. Images were saved as uint8, so scores can
+    differ from those computed during training by a pixel's rounding."""
+    out = Path(out_dir)
+    path = out / "results.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: rescore needs a benchmark's output directory (--out of a run)")
+    results = json.loads(path.read_text())
+    size = Protocol(**{k: tuple(v) if isinstance(v, list) else v for k, v in results["size"].items()})
+    step_flops: dict[str, float] = {}  # per method: its runs differ only in the seed, which costs no FLOPs
+    for rec in results["runs"]:
+        key = _run_key(size, rec["method"], rec["seed"], tuple(results.get("extra", ())))
+        npz = out / "runs" / f"{key}.npz"
+        if not npz.exists():
+            raise FileNotFoundError(f"{npz} not found: run {key} kept no images, so it cannot be rescored")
+        cfg = config_lib.from_json(rec["config"])
+        rec.setdefault("model_step_flops", flops.train_flops_per_image(cfg) * cfg.train.global_batch)
+        if rec["method"] not in step_flops:
+            step_flops[rec["method"]] = executed_step_flops(cfg)
+        count_flops(rec, step_flops[rec["method"]])
+        ds = pipeline.dataset_from_config(cfg.data)
+        with np.load(npz) as saved:
+            scenes = [ds.scene(int(i)) for i in saved["index"]]
+            for point in rec["curve"]:
+                point.update(alignment.score(saved[f"step_{point['step']}"], scenes))
+        (out / "runs" / f"{key}.json").write_text(json.dumps(rec))
+        log(f"[{key}] rescored: final align {rec['curve'][-1][PRIMARY]:.3f}, {rec['step_flops'] / 1e9:.1f} GFLOP "
+            f"per step (the model's matmuls {rec['model_step_flops'] / 1e9:.1f})")  # fmt: skip
+    results["summary"] = summarize(size, results["runs"])
+    results["note"] = f"{results.get('note', '')}; alignment rescored from saved images, FLOPs recounted".lstrip("; ")
+    write_outputs(results, out)
+    return results

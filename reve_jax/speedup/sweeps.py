@@ -1,0 +1,102 @@
+"""The sweeps: each method's learning rate, then its guidance scale, chosen the same way."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from reve_jax import config as config_lib
+from reve_jax.speedup.protocol import PRIMARY, Protocol, build_config
+from reve_jax.speedup.runner import Runner, _run_key
+
+
+def sweep(
+    size: Protocol,
+    out_dir,
+    methods,
+    *,
+    extra=(),
+    cache_dir=None,
+    evaluator_kwargs=None,
+    max_extend: int = 2,
+    rate: str = "lr",
+    seeds: tuple[int, ...] | None = None,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """For each method, on `seeds` (default: the size's first): the LR grid (each run evaluated at the end only;
+    a rate's score is its mean over the seeds), extended by factors of 2 while the best LR sits at an edge (at most
+    `max_extend` times), then the guidance scales on the winner's final EMA weights (mean over the seeds). Two seeds
+    choose a rate that holds on both where one seed may pick a rate at the edge of stability. `rate` is the
+    optimizer rate the grid varies (RATES: "muon_lr" sweeps Muon's group with the main group at its frozen rate).
+    Writes <out>/sweep.json ({method: ...}, or {method@muon_lr: ...}) and returns {method: {rate: best,
+    "cfg_scale", "grid": {lr: mean align}, "per_seed": {seed: {lr: align}}, ...}}."""
+    out = Path(out_dir)
+    runner = Runner(size, out, extra, cache_dir, evaluator_kwargs, log)
+    seeds = tuple(seeds or size.seeds[:1])
+    result = {}
+    for method in methods:
+        frozen = build_config(size, method, seeds[0], extra)  # the incumbent rate and scale win exact ties
+        per_seed: dict[int, dict[float, float]] = {seed: {} for seed in seeds}
+        grid = sorted(size.sweep_lrs)
+        for _ in range(max_extend + 1):
+            for lr in grid:
+                for seed in seeds:
+                    if lr not in per_seed[seed]:
+                        rec = runner.run(method, seed, lr, evals=1, rate=rate)
+                        per_seed[seed][lr] = rec["curve"][-1][PRIMARY] if rec["curve"] else float("-inf")
+            scores = {lr: float(np.mean([per_seed[seed][lr] for seed in seeds])) for lr in per_seed[seeds[0]]}
+            best = pick(scores, getattr(frozen.optim, rate))
+            lrs = sorted(scores)
+            if best == lrs[0]:
+                grid = [best / 2]
+            elif best == lrs[-1]:
+                grid = [best * 2]
+            else:
+                break
+        inside = lrs[0] < best < lrs[-1]
+        keys = [_run_key(size, method, seed, extra, best, rate) + "-e1" for seed in seeds]
+        by_seed = [guidance_scores(out / "runs" / key, size) for key in keys]
+        scales = {k: float(np.mean([g[k] for g in by_seed])) for k in by_seed[0]}
+        r = result[method] = {rate: best, "inside_grid": inside, "grid": _by_rate(scores), "seeds": list(seeds),
+                              "per_seed": {seed: _by_rate(d) for seed, d in per_seed.items()},
+                              "cfg_scale": float(pick(scales, f"{frozen.sample.cfg_scale:g}")),
+                              "cfg_scores": scales}  # fmt: skip
+        log(f"sweep {method}: {rate} {best:g} ({'inside' if inside else 'AT THE EDGE of'} the grid {r['grid']}, "
+            f"seeds {list(seeds)}), guidance {r['cfg_scale']:g} ({scales})")  # fmt: skip
+        path = out / "sweep.json"
+        saved = json.loads(path.read_text()) if path.exists() else {}
+        saved.update({(m if rate == "lr" else f"{m}@{rate}"): r for m, r in result.items()})
+        path.write_text(json.dumps(saved, indent=1))
+    return result
+
+
+def pick(scores: dict, incumbent):
+    """The key of the highest score; on an exact tie the incumbent (the size's frozen value) when it is among the
+    tied, else the first tied key in `scores`' order: a sweep that cannot tell two settings apart keeps what is
+    frozen rather than moving on the order of a list."""
+    top = max(scores.values())
+    tied = [k for k, v in scores.items() if v == top]
+    return incumbent if incumbent in tied else tied[0]
+
+
+def _by_rate(scores: dict[float, float]) -> dict[str, float]:
+    """{rate: score} with the rates as JSON keys ('0.002'), in increasing order."""
+    return {f"{k:g}": v for k, v in sorted(scores.items())}
+
+
+def guidance_scores(workdir: Path, size: Protocol) -> dict[str, float]:
+    """Caption alignment of a finished run's final EMA weights at each of the size's guidance scales (n_eval
+    captions, the evaluation seed)."""
+    from reve_jax.metrics import quality, scoring
+
+    cfg, graphdef, ema, _, mesh = scoring.restore_ema(workdir)
+    out = {}
+    for scale in size.cfg_scales:
+        c = config_lib.from_json(config_lib.to_json(cfg))
+        config_lib.apply_override(c, f"sample.cfg_scale={scale!r}")
+        ev = quality.Evaluator(c, graphdef, size.n_eval, size.eval_seed, feature_spec=None, mesh=mesh)
+        out[f"{scale:g}"] = ev(ema)[PRIMARY]
+    return out

@@ -1,0 +1,1 @@
+"""Tools around training: the throughput benchmark (bench/) and planning past one machine (plan/)."""
