@@ -34,7 +34,7 @@ def test_autoencoder_round_trip_and_normalised_latents(ae_file):
     for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(loaded)), strict=True):
         np.testing.assert_array_equal(a, b)
     cfg = tiny_config(*AE)
-    x = next(latent._batches(cfg, 64, 10**6))  # the images the statistics were measured on
+    x = next(latent_training._batches(cfg, 64, 10**6))  # the images the statistics were measured on
     z = np.asarray(loaded.encode(x))
     assert z.shape == (64, 8, 8, 4)
     np.testing.assert_allclose(z.reshape(-1, 4).mean(0), 0.0, atol=0.05)
