@@ -110,11 +110,11 @@ def get_config() -> ml_collections.ConfigDict:
     lo.dino_path = ""  # converted DINOv2 .npz (ViT-B/14 with registers in the recipe)
     lo.dino_size = 224  # images resized to this for DINOv2
     # What the dino term compares: dinov2 (patch tokens of loss.dino_path) | features (the per-cell embeddings of the
-    # project's own feature network of the procedural dataset, eval/features.py: no downloaded weights)
+    # project's own feature network of the procedural dataset, perceptual/shapes.py: no downloaded weights)
     lo.dino_target = "dinov2"
     lo.repa_weight = 0.0  # PRX: 0.5, Linum: 0.1; aligns block model.repa_block's tokens to features of x
     # What REPA aligns to: dinov2 (patch tokens of loss.dino_path) | features (the project's own feature network of
-    # the procedural dataset, eval/features.py: no downloaded weights, for the CPU benchmarks)
+    # the procedural dataset, perceptual/shapes.py: no downloaded weights, for the CPU benchmarks)
     lo.repa_target = "dinov2"
     lo.repa_dim = 768  # the target's width (the REPA projector's output); checked against the network
     lo.repa_hidden = 1024  # REPA projector MLP hidden width
@@ -197,8 +197,8 @@ def get_config() -> ml_collections.ConfigDict:
     s.cfg_scale = 3.0
     s.cfg_interval = (0.0, 1.0)  # apply CFG only for t in [lo, hi] (JiT's guidance interval)
     # x-prediction: the sampler's velocity (x_hat - z) / max(1 - t, t_eps). 0 = exact, every step lands where the flow
-    # does (the last on x_hat); -1 = training's clamp diffusion.t_eps (JiT's sampler, and this project's before
-    # 2026-12-02), which under-steps each step that starts past t = 1 - diffusion.t_eps and leaves noise in the image
+    # does (the last on x_hat); -1 = training's clamp diffusion.t_eps (JiT's sampler), which under-steps each step
+    # that starts past t = 1 - diffusion.t_eps and leaves noise in the image
     s.t_eps = 0.0
     s.route_guidance = 0.0  # routed self-guidance s: out = routed + s*(full - routed); 0 = off
     s.num = 16  # images in the training sample grid

@@ -65,7 +65,7 @@ def apply(c, technique: str, bottleneck_rank: int):
         c.loss.repa_hidden = 2 * c.model.width
         if not c.loss.dino_path:
             c.loss.repa_target = "features"
-            c.loss.repa_dim = 48  # eval/features.py's cell embedding width
+            c.loss.repa_dim = 48  # perceptual/shapes.py's cell embedding width
     elif technique == "latent":
         # Linum's baseline: a DiT on the latents of an autoencoder, at the pixel model's token count (a size file may
         # give it its own: configs/speedup/cpu.py). The size's model overrides choose the autoencoder

@@ -30,15 +30,10 @@ def cpu_model(image_size: int, patch: int) -> tuple[str, ...]:
     )
 
 
-# Baseline A's autoencoder at the CPU sizes: 2x down to 8 channels (16x16x8 latents of a 32 px image, 1.5x fewer
-# values than pixels). The smallest objects span 5 px, and the reconstruction check reads their shapes: at 4x down
-# (16 channels) the best reconstructions scored 0.76 caption alignment in 1,500 steps, at 2x down 0.986 in 6,000.
-# The decoder trains on noisy latents (0.4 of their std) so that a DiT's slightly-off latents still decode to clean
-# objects: in 2,000 steps without noise the latent DiT drew objects as fragments of every colour (0.34; at noise 0.5
-# 0.52, but those reconstructions miss the check: 0.978). 0.4 is the most tried that passes the check (0.987); the
-# DiT scored 0.40 on it in 1,500 steps at lr 1e-3; in the size's 2,000 steps at its swept lr (8e-3) 0.84 on seeds
-# 0 and 2 and 0.45 on seed 1 (the headline, docs/speedup.md). 12,000 steps, about 16 minutes on 2 cores, once per
-# data setting; docs/latent.md has the tables.
+# Baseline A's autoencoder at the CPU sizes: 2x down to 8 channels (16x16x8 latents of a 32 px image), the least
+# downsampling whose reconstructions keep the small objects' shapes for the benchmark's check. The decoder trains on
+# latents with noise of 0.4 their std, so that a DiT's slightly-off latents still decode to clean objects: the most
+# noise tried whose reconstructions still pass the check. Trained once per data setting (docs/latent.md).
 CPU_AUTOENCODER = (
     "latent.downsample=2",
     "latent.channels=8",
