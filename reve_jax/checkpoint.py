@@ -38,7 +38,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from reve_jax import checkpoint_noise
+from reve_jax import checkpoint_noise, treepath
 
 log = logging.getLogger(__name__)
 
@@ -137,19 +137,6 @@ def is_corruption(exc: BaseException) -> bool:
 
 
 # ---------------------------------------------------------------- Structure
-def _path_str(path) -> str:
-    """A tree path as "a/b/0/c", the same for our dicts/lists/namedtuples and Orbax's metadata dicts."""
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
-
-
 def _dtype_str(dtype) -> str:
     try:
         return np.dtype(dtype).name
@@ -162,7 +149,7 @@ def _leaf_specs(tree) -> dict[str, tuple[tuple, str]]:
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         shape = getattr(leaf, "shape", None)
         if shape is not None:
-            out[_path_str(path)] = (tuple(shape), _dtype_str(leaf.dtype))
+            out[treepath.to_str(path)] = (tuple(shape), _dtype_str(leaf.dtype))
     return out
 
 

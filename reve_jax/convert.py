@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from reve_jax import checkpoint, config, sharding
+from reve_jax import checkpoint, config, sharding, treepath
 from reve_jax.train import train_state, trainer
 
 log = logging.getLogger(__name__)
@@ -35,25 +35,12 @@ class ConversionError(ValueError):
     """The requested conversion would change the weights, or the state does not map leaf for leaf."""
 
 
-def _keys(path) -> tuple[str, ...]:
-    """A tree path as plain strings: dict keys, attribute names (optax states) and sequence indices alike."""
-    out = []
-    for entry in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(entry, attr):
-                out.append(str(getattr(entry, attr)))
-                break
-        else:
-            raise ConversionError(f"unexpected path entry {entry!r} in {jax.tree_util.keystr(path)}")
-    return tuple(out)
-
-
 def convert_tree(source, target):
     """A tree of numpy arrays shaped like `target` (a pytree of arrays or ShapeDtypeStructs) whose leaves come from
     `source` (a pytree of arrays) by path: equal path; `.../blocks/<i>/rest` from `.../blocks/rest` [i] (unstack);
     or `.../blocks/rest` from the stack over i of `.../blocks/<i>/rest`. Raises ConversionError when a target
     leaf has no source, a shape differs, or a source leaf is left unused."""
-    src = {_keys(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(source)[0]}
+    src = {treepath.parts(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(source)[0]}
     used: set[tuple[str, ...]] = set()
 
     def take(key):
@@ -61,7 +48,7 @@ def convert_tree(source, target):
         return src[key]
 
     def fill(path, leaf):
-        key, shape = _keys(path), tuple(leaf.shape)
+        key, shape = treepath.parts(path), tuple(leaf.shape)
         if key in src:
             value = take(key)
         else:

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from reve_jax import treepath
 from reve_jax.config import CHOICES
 
 OPTIMIZERS = CHOICES["optim.name"]
@@ -131,21 +132,6 @@ def scale_by_muon(momentum: float, nesterov: bool, ns_steps: int, scale: str) ->
 # -------------------------------------------------------------------------------------------- Param partition
 
 
-def _path_str(path) -> str:
-    """'blocks/0/attn/q/kernel' from a jax key path (dict keys, list indices and attributes alike)."""
-    parts = []
-    for k in path:
-        if isinstance(k, jax.tree_util.DictKey):
-            parts.append(str(k.key))
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            parts.append(str(k.idx))
-        elif isinstance(k, jax.tree_util.GetAttrKey):
-            parts.append(k.name)
-        else:
-            parts.append(str(k))
-    return "/".join(parts)
-
-
 def param_groups(optim_cfg, params) -> Any:
     """Label each parameter "muon" or "adamw".
 
@@ -159,7 +145,7 @@ def param_groups(optim_cfg, params) -> Any:
     patterns = [re.compile(p) for p in optim_cfg.muon_patterns] if optim_cfg.name == "muon" else []
 
     def label(path, leaf):
-        name = _path_str(path)
+        name = treepath.to_str(path)
         if not any(p.fullmatch(name) for p in patterns):
             return "adamw"
         if len(leaf.shape) not in (2, 3):
@@ -179,7 +165,7 @@ def describe_param_groups(params, labels) -> str:
     for (path, leaf), group in zip(
         jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(labels), strict=True
     ):
-        rows.append((_path_str(path), str(tuple(leaf.shape)), group, math.prod(leaf.shape)))
+        rows.append((treepath.to_str(path), str(tuple(leaf.shape)), group, math.prod(leaf.shape)))
     width = max([len(r[0]) for r in rows] + [4])
     shape_width = max([len(r[1]) for r in rows] + [5])
     lines = [f"{'path':<{width}}  {'shape':<{shape_width}}  {'group':<5}  {'count':>12}"]

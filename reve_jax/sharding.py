@@ -13,6 +13,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from reve_jax import treepath
+
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
@@ -82,10 +84,6 @@ def param_shardings(abstract_params, logical_specs, rules, mesh: Mesh):
     )
 
 
-def _path_key(path) -> tuple:
-    return tuple(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
-
-
 def follow_params(abstract_tree, abstract_params, p_shardings, mesh: Mesh):
     """Shardings for a tree (optimizer state) whose leaves mirror parameters: a leaf takes the sharding of the
     parameter whose path is the longest suffix of its own path with the same shape; anything else replicates."""
@@ -95,11 +93,11 @@ def follow_params(abstract_tree, abstract_params, p_shardings, mesh: Mesh):
         jax.tree_util.tree_flatten_with_path(p_shardings)[0],
         strict=True,
     ):
-        by_path[_path_key(path)] = (a.shape, s)
+        by_path[treepath.parts(path)] = (a.shape, s)
     replicated = NamedSharding(mesh, PartitionSpec())
 
     def pick(path, leaf):
-        key = _path_key(path)
+        key = treepath.parts(path)
         for i in range(len(key)):
             hit = by_path.get(key[i:])
             if hit is not None and hit[0] == leaf.shape:
@@ -132,5 +130,5 @@ def describe_shardings(tree_of_shardings) -> str:
     lines = []
     for path, s in jax.tree_util.tree_flatten_with_path(tree_of_shardings)[0]:
         spec = tuple(s.spec) if isinstance(s, NamedSharding) else tuple(s)
-        lines.append(f"{'/'.join(_path_key(path))}\t{spec}")
+        lines.append(f"{'/'.join(treepath.parts(path))}\t{spec}")
     return "\n".join(lines) + "\n"

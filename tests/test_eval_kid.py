@@ -1,4 +1,4 @@
-"""KID (eval/kid.py) and the feature net (eval/shapes.py): the estimator against a direct computation and on
+"""KID (metrics/kid.py) and the feature net (perceptual/shapes.py): the estimator against a direct computation and on
 distributions with known answers, then in the checked-in feature space, where two real sets must sit at the
 floor and shuffled captions, wrong cells and one-shape-for-all far above it; and the net's per-object accuracy."""
 

@@ -119,7 +119,7 @@ def reconstruct(model: autoencoder.Autoencoder, images: np.ndarray, batch: int =
 
 
 def check_reconstructions(cfg, model: autoencoder.Autoencoder, n: int = 256) -> dict:
-    """Caption alignment (eval/alignment.py) of the autoencoder's reconstructions of `n` held-out images, beside
+    """Caption alignment (data/synthetic/alignment.py) of the autoencoder's reconstructions of `n` held-out images, beside
     the real images' own score, per attribute (`recon_<attribute>`), and the reconstruction PSNR."""
     from reve_jax.data.synthetic import alignment
     from reve_jax.metrics import vloss

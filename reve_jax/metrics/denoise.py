@@ -12,7 +12,7 @@ every t and shape read at chance from the caption alone; a run whose rate stayed
 `probe(cfg, graphdef, params, times, n, seed)` returns, per time t, the mean x-MSE over the held-out images of
 the model (`denoise_mse_t<t>`), of the input z (`denoise_input_mse_t<t>`) and of the model with the captions
 rolled by one image (`denoise_swapped_mse_t<t>`), and the images for a grid. Pixel-space runs only. On the
-procedural dataset it also reads each x_hat with the caption reader (eval/alignment.py):
+procedural dataset it also reads each x_hat with the caption reader (data/synthetic/alignment.py):
 `denoise_align_<attribute>_t<t>` says what the one-step answer draws at that time. At t = 0 the input is pure noise
 and x_hat is what the caption alone makes the model draw: an attribute read at chance there is one the model does
 not take from the caption.

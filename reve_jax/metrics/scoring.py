@@ -22,34 +22,11 @@ import jax
 import numpy as np
 from PIL import Image
 
-from reve_jax import checkpoint, config, sharding, viz
+from reve_jax import config, viz
 from reve_jax.data.synthetic import alignment
 from reve_jax.metrics import denoise, quality
 from reve_jax.metrics import regions as regions_lib
-from reve_jax.train import train_state
-
-
-def restore_ema(workdir: str | Path, step: int | None = None):
-    """The run's config, its model graph and the first EMA of checkpoint `step` (default: the newest that loads)
-    of `workdir`. Returns (cfg, graphdef, ema params, step, mesh)."""
-    workdir = Path(workdir)
-    ckpt = checkpoint.Checkpointer(workdir)
-    try:
-        steps = ckpt.steps()
-        if not steps:
-            raise checkpoint.CheckpointError(f"no checkpoint in {workdir / 'checkpoints'}: train first")
-        if step is not None and step not in steps:
-            raise checkpoint.CheckpointError(f"no checkpoint of step {step} in {workdir}; there are {steps}")
-        cfg = config.from_json(ckpt.restore_meta(step if step is not None else steps[-1])["config"])
-        mesh = sharding.make_mesh(cfg.mesh)
-        setup = train_state.make_setup(cfg, mesh, frozen=False)  # sampling needs no loss networks
-        if step is None:
-            state, meta = ckpt.restore_latest(setup.abstract_state)
-        else:
-            state, meta = ckpt.restore(step, setup.abstract_state)
-    finally:
-        ckpt.close()
-    return cfg, setup.graphdef, state["ema"]["ema0"], int(meta["step"]), mesh
+from reve_jax.train import sampling
 
 
 def score_checkpoint(
@@ -71,7 +48,8 @@ def score_checkpoint(
     dinov2_path, ...). Writes the JSON and the PNG described in the module docstring (with the overrides in their
     names); returns (the JSON's content, its path, the PNG's path)."""
     t0 = time.perf_counter()
-    cfg, graphdef, ema, step, mesh = restore_ema(workdir, step)
+    r = sampling.restore_for_sampling(workdir, step)
+    cfg, graphdef, ema, step, mesh = r.cfg, r.graphdef, r.params, r.step, r.mesh
     sample = {k: v for k, v in (sample or {}).items() if v is not None}
     if sample:  # on the config just read from the checkpoint; an unknown key or a wrong type is a ConfigError
         for k, v in sample.items():
@@ -124,7 +102,8 @@ def denoise_checkpoint(
 ) -> tuple[dict, Path, Path]:
     """Runs the denoising probe (denoise.py) on checkpoint `step` (default: the newest) of `workdir`; writes its
     JSON and grid, logs its table. Returns (the JSON's content, its path, the PNG's path)."""
-    cfg, graphdef, ema, step, mesh = restore_ema(workdir, step)
+    r = sampling.restore_for_sampling(workdir, step)
+    cfg, graphdef, ema, step, mesh = r.cfg, r.graphdef, r.params, r.step, r.mesh
     with jax.set_mesh(mesh):
         table, grid = denoise.probe(cfg, graphdef, ema, times, n, seed)
     result = {"workdir": str(workdir), "step": step, "n": n, "seed": seed, "times": list(times), **table}

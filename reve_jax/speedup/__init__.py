@@ -6,11 +6,11 @@ method by the sweep (FROZEN), and `get_config(method)`. The protocol:
 
 - every method trains the same budget (steps of the same batch) with a cosine LR decayed to 0, on >= 3 seeds; a
   seed sets the model's initialisation, the noise and the data (data.seed), and methods are paired within a seed;
-- each run is a trainer run (`trainer.run`) with the evaluation hook (eval/hook.py) in its own workdir under
+- each run is a trainer run (`trainer.run`) with the evaluation hook (metrics/hook.py) in its own workdir under
   `<out>/runs/<key>/`: it checkpoints at every evaluation, so a killed benchmark resumes; its EMA weights are
   evaluated every `steps / evals` steps on `n_eval` held-out captions (fixed noise, sampler and guidance) and at
   the end on `n_final`; the train clock excludes compilation, evaluation and checkpoint writes;
-- time to target (eval/target.py): the first crossing of the seed's baseline final value, interpolated between
+- time to target (speedup/target.py): the first crossing of the seed's baseline final value, interpolated between
   evaluations and sustained over two; censored at the budget (">"); the baseline's time is its full budget;
 - a latent baseline's autoencoder is trained once per size (cached; its cost reported apart) and its
   reconstructions must score >= `min_recon_align` caption alignment before any run starts;

@@ -74,7 +74,7 @@ def count_flops(rec: dict, step_flops: float) -> dict:
 def train_run(cfg, workdir: str | Path, eval_every: int, n_eval: int, eval_seed: int, evaluator_kwargs=None,
               on_eval=None, n_final: int | None = None) -> dict:  # fmt: skip
     """Trains `cfg` in `workdir` with the trainer (resuming what a killed benchmark left there), evaluating the EMA
-    weights every `eval_every` steps and at the end (eval/hook.py; the last evaluation also on `n_final` captions).
+    weights every `eval_every` steps and at the end (metrics/hook.py; the last evaluation also on `n_final` captions).
 
     Returns a JSON-able record: {"curve": [{"step", "samples", "flops", "wall_s", "cpu_s", <metrics>}, ...],
     "compile_s", "step_flops" (executed, `executed_step_flops`), "model_step_flops" (the model's matmuls),

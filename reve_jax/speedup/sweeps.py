@@ -90,9 +90,11 @@ def _by_rate(scores: dict[float, float]) -> dict[str, float]:
 def guidance_scores(workdir: Path, size: Protocol) -> dict[str, float]:
     """Caption alignment of a finished run's final EMA weights at each of the size's guidance scales (n_eval
     captions, the evaluation seed)."""
-    from reve_jax.metrics import quality, scoring
+    from reve_jax.metrics import quality
+    from reve_jax.train import sampling
 
-    cfg, graphdef, ema, _, mesh = scoring.restore_ema(workdir)
+    r = sampling.restore_for_sampling(workdir)
+    cfg, graphdef, ema, mesh = r.cfg, r.graphdef, r.params, r.mesh
     out = {}
     for scale in size.cfg_scales:
         c = config_lib.from_json(config_lib.to_json(cfg))

@@ -1,7 +1,8 @@
 """The trainer's hooks (see loop.py): stop requests, metrics and the NaN guard, sample grids, checkpoints.
 
-Order matters and `trainer.default_hooks` keeps it: stop (sets ctx.stop) -> log (raises on NaN before anything
-is saved) -> sample -> extra hooks (evaluation) -> checkpoint (saves at its cadence, at the end and on a stop).
+Order matters and `trainer.default_hooks` keeps it: stop (sets ctx.stop) -> progress -> sample (its scores go
+into this step's log line) -> log (raises on NaN before anything is saved) -> extra hooks (evaluation) ->
+checkpoint (saves at its cadence, at the end and on a stop).
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ def sample_prompts(cfg, dataset, n: int) -> tuple[list[str], dict]:
 class SampleHook:
     """Every train.sample_every steps and at the end: images of the last held-out captions of the data from fixed
     noise; a grid of `sample.num` of them in <workdir>/samples/step_<n>.png. On the procedural dataset the reader
-    (eval/alignment.py) also scores `sample.score_num` of them against their captions: per-attribute alignment goes
+    (data/synthetic/alignment.py) also scores `sample.score_num` of them against their captions: per-attribute alignment goes
     to metrics.jsonl and TensorBoard (`sample/align_*`), the grid marks each caption's checks, and the last scores
     stay in `self.scores` (the trainer's summary)."""
 

@@ -40,7 +40,7 @@ from reve_jax.perceptual import weights
 
 HEADS = "heads"
 AUTOENCODER = "autoencoder"
-FEATURES = "features"  # the project's feature network (eval/shapes.py), for REPA and the dino term
+FEATURES = "features"  # the project's feature network (perceptual/shapes.py), for REPA and the dino term
 
 
 # ---------------------------------------------------------------------------------------------------- Frozen nets
@@ -250,11 +250,6 @@ TERMS: dict[str, Term] = {
     "dino": Term(lambda cfg: cfg.loss.dino_weight > 0, _dino),
     "repa": Term(lambda cfg: cfg.loss.repa_weight > 0, _repa),
 }
-
-
-def active_terms(cfg) -> tuple[str, ...]:
-    """Names of the terms `cfg` switches on, `fm` first."""
-    return ("fm", *(name for name, term in TERMS.items() if term.enabled(cfg)))
 
 
 def terms_of(cfg, c: Context, per_sample_fm: jax.Array) -> dict[str, jax.Array]:

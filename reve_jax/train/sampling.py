@@ -3,6 +3,9 @@ self-guidance (TREAD's routed model as the weak branch)."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +16,15 @@ from reve_jax.batch import model_shape
 from reve_jax.data import tokenizer
 from reve_jax.train.objective import model_params
 
-__all__ = ["encode_prompts", "fixed_noise", "make_sampler", "model_params", "render_from_checkpoint"]
+__all__ = [
+    "Restored",
+    "encode_prompts",
+    "fixed_noise",
+    "make_sampler",
+    "model_params",
+    "render_from_checkpoint",
+    "restore_for_sampling",
+]
 
 
 def encode_prompts(prompts: list[str], max_len: int) -> dict:
@@ -103,32 +114,65 @@ def fixed_noise(cfg, n: int, seed: int | None = None, hw: tuple[int, int] | None
     return (cfg.diffusion.noise_scale * rng.standard_normal((n, *model_shape(cfg, hw)))).astype(np.float32)
 
 
-def render_from_checkpoint(
-    workdir, prompts, *, out=None, steps=None, cfg_scale=None, sampler=None, seed=0, use_ema=True
-):
-    """Restore the newest checkpoint of `workdir` (with the config saved beside it) and write a grid of one
-    image per prompt to `out` (default <workdir>/samples/cli.png). Returns the PNG path."""
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """A run's weights for sampling: its saved config, the model's graph, the parameters (the first EMA, or the raw
+    model weights), the checkpoint's step and the mesh they are sharded over."""
+
+    cfg: Any
+    graphdef: Any
+    params: Any
+    step: int
+    mesh: Any
+
+
+def restore_for_sampling(workdir, step: int | None = None, *, use_ema: bool = True) -> Restored:
+    """Checkpoint `step` of `workdir` (default: the newest that loads) with the config saved beside it, restored
+    without the loss networks (LPIPS, DINOv2, the autoencoder's encoder are not needed to sample, and their files
+    may have moved since the run). The one restore behind scripts/sample.py, scripts/evaluate.py and the
+    benchmark's guidance sweep."""
     from pathlib import Path
 
-    from reve_jax import checkpoint, config, sharding, viz
+    from reve_jax import checkpoint, config, sharding
     from reve_jax.train import train_state
 
     workdir = Path(workdir)
     ckpt = checkpoint.Checkpointer(workdir)
-    if not ckpt.steps():
-        raise checkpoint.CheckpointError(f"no checkpoint in {workdir / 'checkpoints'}: train first")
-    cfg = config.from_json(ckpt.restore_meta(ckpt.steps()[-1])["config"])
-    text = prompt_inputs(cfg, list(prompts))
-    mesh = sharding.make_mesh(cfg.mesh)
-    setup = train_state.make_setup(cfg, mesh)
-    state, meta = ckpt.restore_latest(setup.abstract_state)
-    ckpt.close()
+    try:
+        steps = ckpt.steps()
+        if not steps:
+            raise checkpoint.CheckpointError(f"no checkpoint in {workdir / 'checkpoints'}: train first")
+        if step is not None and step not in steps:
+            raise checkpoint.CheckpointError(f"no checkpoint of step {step} in {workdir}; there are {steps}")
+        cfg = config.from_json(ckpt.restore_meta(step if step is not None else steps[-1])["config"])
+        mesh = sharding.make_mesh(cfg.mesh)
+        setup = train_state.make_setup(cfg, mesh, frozen=False)
+        if step is None:
+            state, meta = ckpt.restore_latest(setup.abstract_state)
+        else:
+            state, meta = ckpt.restore(step, setup.abstract_state)
+    finally:
+        ckpt.close()
     params = state["ema"]["ema0"] if use_ema else model_params(state["params"])
-    fn = make_sampler(cfg, setup.graphdef, steps=steps, cfg_scale=cfg_scale, sampler=sampler)
-    noise = fixed_noise(cfg, len(prompts), seed)
-    with jax.set_mesh(mesh):
-        images = np.asarray(jax.device_get(fn(params, text, noise, jax.random.key(seed))))
-    out = Path(out) if out else workdir / "samples" / "cli.png"
+    return Restored(cfg, setup.graphdef, params, int(meta["step"]), mesh)
+
+
+def render_from_checkpoint(
+    workdir, prompts, *, out=None, steps=None, cfg_scale=None, sampler=None, seed=0, use_ema=True
+):
+    """Restore the newest checkpoint of `workdir` (restore_for_sampling) and write a grid of one image per prompt
+    to `out` (default <workdir>/samples/cli.png). Returns the PNG path."""
+    from pathlib import Path
+
+    from reve_jax import viz
+
+    r = restore_for_sampling(workdir, use_ema=use_ema)
+    text = prompt_inputs(r.cfg, list(prompts))
+    fn = make_sampler(r.cfg, r.graphdef, steps=steps, cfg_scale=cfg_scale, sampler=sampler)
+    noise = fixed_noise(r.cfg, len(prompts), seed)
+    with jax.set_mesh(r.mesh):
+        images = np.asarray(jax.device_get(fn(r.params, text, noise, jax.random.key(seed))))
+    out = Path(out) if out else Path(workdir) / "samples" / "cli.png"
     out.parent.mkdir(parents=True, exist_ok=True)
-    viz.save_sample_grid(out, images, [f"{p} (step {meta['step']})" for p in prompts])
+    viz.save_sample_grid(out, images, [f"{p} (step {r.step})" for p in prompts])
     return out
