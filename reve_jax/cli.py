@@ -27,8 +27,18 @@ def setup_logging():
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
+def parse_args(parser, argv=None):
+    """`parser`'s arguments plus the `--config.a.b=v` overrides every script takes the same way: returns (args,
+    overrides). Anything else unrecognised is a usage error (exit 2) that shows what an override looks like."""
+    args, rest = parser.parse_known_args(argv)
+    bad = [o for o in rest if not o.startswith("--config.")]
+    if bad:
+        parser.error(f"unrecognised arguments {bad}; config overrides look like --config.model.depth=4")
+    return args, rest
+
+
 def load_config_or_exit(spec: str, overrides: list[str]):
-    """Load and validate a config; a bad one exits with status 2 and the reason."""
+    """Load and validate a config with `--config.a.b=v` overrides; a bad one exits with status 2 and the reason."""
     bad = [o for o in overrides if not o.startswith("--config.")]
     if bad:
         sys.exit(f"error: unrecognised arguments {bad}; config overrides look like --config.model.depth=4")

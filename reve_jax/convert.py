@@ -1,6 +1,6 @@
 """Convert a workdir's newest checkpoint to another parameter layout, into a new workdir.
 
-    python scripts/convert_checkpoint.py --src runs/a --dst runs/a_scan --config.model.scan_layers=True
+    python scripts/convert_checkpoint.py --workdir runs/a --out runs/a_scan --config.model.scan_layers=True
 
 What it can change is the layout of the same weights: `model.scan_layers` (per-block `blocks/<i>/...` <->
 stacked `blocks/...` with a leading layers axis) and `optim.muon_patterns` (a new pattern that labels the same
@@ -105,7 +105,7 @@ def convert_workdir(src: str | Path, dst: str | Path, overrides: list[str] = (),
     if not (src / "checkpoints").is_dir():
         raise checkpoint.CheckpointError(f"{src} has no checkpoints/ directory: pass the workdir of a run")
     if (dst / "checkpoints").exists() and any((dst / "checkpoints").iterdir()):
-        raise ConversionError(f"{dst} already holds checkpoints: choose a new --dst; nothing was written")
+        raise ConversionError(f"{dst} already holds checkpoints: choose a new --out; nothing was written")
     reader = checkpoint.Checkpointer(src, async_save=False)
     try:
         if not reader.steps():

@@ -33,10 +33,10 @@ base_flags=${XLA_FLAGS:-}
 
 if [ -n "${SMOKE:-}" ]; then
   XL=tiny B=tiny PRX=tiny batch=16 state_gb=0.05
-  common=(--steps 2 --repeats 1 --warmup 1 --data-steps 2 --compile-cache /tmp/reve_smoke_cache)
+  common=(--steps 2 --repeats 1 --warmup 1 --data-steps 2 --config.train.compile_cache=/tmp/reve_smoke_cache)
 else
   XL=dit-xl2 B=dit-b2 PRX=prx-1b batch=256 state_gb=10.8
-  common=(--steps 5 --repeats 3 --warmup 2 --data-steps 5 --compile-cache /tmp/reve_jax_cache)
+  common=(--steps 5 --repeats 3 --warmup 2 --data-steps 5 --config.train.compile_cache=/tmp/reve_jax_cache)
   nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw,power.limit,memory.used --format=csv >"$OUT/gpu.txt" 2>&1
 fi
 
@@ -50,7 +50,7 @@ host() {
     return
   fi
   [ "$left" -lt "$cap" ] && cap=$left
-  timeout "$cap" python3 scripts/bench_host.py "$@" --json "$OUT/host.jsonl" 2>>"$log" | tee -a "$log"
+  timeout "$cap" python3 scripts/bench_host.py "$@" --out "$OUT" 2>>"$log" | tee -a "$log"
 }
 
 # bench SECONDS_CAP LABEL ARGS...: one benchmark process, cut at the cap or the deadline.
@@ -71,7 +71,7 @@ bench() {
   echo "=== $label (cap ${cap}s, at ${SECONDS}s) XLA_FLAGS='${XLA_FLAGS:-}'" | tee -a "$log"
   # SIGABRT at the cap: Python's fault handler then prints every thread's stack, so a hang says where it was.
   PYTHONFAULTHANDLER=1 timeout -s ABRT -k 10 "$cap" python3 scripts/bench_throughput.py "${common[@]}" \
-    --json "$res" --label "$label" --peer-timeout $((cap - 10)) "$@" >>"$log" 2>&1
+    --out "$OUT" --label "$label" --peer-timeout $((cap - 10)) "$@" >>"$log" 2>&1
   local rc=$?
   if [ $rc -ne 0 ]; then
     echo "[failed rc=$rc$([ $rc = 124 ] && echo ", cut at ${cap}s: stacks in log.txt")] $label" | tee -a "$log"
@@ -145,4 +145,4 @@ PY
 esac
 
 grep -E "attention check|cuDNN|cudnn" "$log" | cut -c1-400 | tail -n 4
-python3 scripts/bench_throughput.py --table-from "$res"
+python3 scripts/bench_throughput.py --table-from "$OUT"

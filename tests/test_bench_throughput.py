@@ -41,9 +41,9 @@ def _table_rows(text: str) -> list[dict]:
 
 
 def test_benchmark_runs_two_steps_and_prints_the_table(capsys, tmp_path):
-    results = tmp_path / "rows.jsonl"
+    results = tmp_path / "out" / "results.jsonl"
     argv = ["--preset", "tiny", "--steps", "2", "--repeats", "1", "--warmup", "1", "--data-steps", "2"]
-    rows = throughput.main([*argv, "--json", str(results), "--ckpt-dir", str(tmp_path), "--label", "test"])
+    rows = throughput.main([*argv, "--out", str(results.parent), "--ckpt-dir", str(tmp_path), "--label", "test"])
     table = _table_rows(capsys.readouterr().out)
     assert len(rows) == 1 and len(table) == 1
     cells, row = table[0], rows[0]
@@ -185,13 +185,13 @@ def test_auto_attention_falls_back_to_xla_when_cudnn_refuses(monkeypatch):
 
 def test_host_bench_reports_input_rate_and_save_blocking(tmp_path, capsys):
     script = load_script("bench_host")
-    out = tmp_path / "rows.jsonl"
+    out = tmp_path / "host.jsonl"
     (row,) = script.host.main(
-        ["input", "--preset", "tiny", "--batch", "8", "--batches", "2", "--repeats", "2", "--json", str(out),
+        ["input", "--preset", "tiny", "--batch", "8", "--batches", "2", "--repeats", "2", "--out", str(tmp_path),
          "--config.data.worker_threads=1"]
     )  # fmt: skip
     assert row["images_per_s"] > 0 and len(row["runs"]) == 2 and row["threads"] == 1 and row["image_size"] == 16
-    plain, staged = script.host.main(["ckpt", "--gb", "0.004", "--leaves", "4", "--json", str(out)])
+    plain, staged = script.host.main(["ckpt", "--gb", "0.004", "--leaves", "4", "--out", str(tmp_path)])
     assert plain["what"] == "ckpt" and staged["what"] == "ckpt staged" and plain["gb"] == pytest.approx(0.004)
     assert 0 < plain["blocking_s"] <= plain["total_s"] and 0 < staged["stage_s"] <= staged["blocking_s"]
     assert len(out.read_text().splitlines()) == 3 and "img/s" in capsys.readouterr().out

@@ -101,8 +101,8 @@ def test_conversions_that_change_the_weights_are_refused_and_write_nothing(runs,
 def test_script_reports_errors_as_one_line(runs, tmp_path):
     script = load_script("convert_checkpoint")
     with pytest.raises(SystemExit, match="conversion error: .*has no checkpoints"):
-        script.main(["--src", str(tmp_path / "nothing"), "--dst", str(tmp_path / "out"), f"--config.{SCAN}"])
+        script.main(["--workdir", str(tmp_path / "nothing"), "--out", str(tmp_path / "out"), f"--config.{SCAN}"])
     with pytest.raises(SystemExit, match="unrecognised arguments"):
-        script.main(["--src", str(runs / "half"), "--dst", str(tmp_path / "out"), "--scan"])
-    summary = script.main(["--src", str(runs / "half"), "--dst", str(tmp_path / "out"), f"--config.{SCAN}"])
+        script.main(["--workdir", str(runs / "half"), "--out", str(tmp_path / "out"), "--scan"])
+    summary = script.main(["--workdir", str(runs / "half"), "--out", str(tmp_path / "out"), f"--config.{SCAN}"])
     assert summary["changed"] == {"model.scan_layers": (False, True)}

@@ -61,7 +61,7 @@ HELP = Quick(("--help",), "usage:")
 QUICK = {
     "scripts/train.py": Quick(),
     "scripts/sample.py": Quick(runs=("--workdir",)),
-    "scripts/convert_checkpoint.py": Quick(runs=("--src",)),
+    "scripts/convert_checkpoint.py": Quick(runs=("--workdir",)),
     "scripts/plan.py": Quick(),
     "scripts/simulate_cluster.py": Quick(),
     "scripts/prepare_data.py": Quick(inputs=("",)),

@@ -1,5 +1,6 @@
-"""The per-object reader (data/synthetic/alignment.py) on its own images at every supported size, under the degradations
-docs/evaluation.md documents, and on the controls (data/synthetic/controls.py): each property with a bound it must meet."""
+"""The per-object reader (data/synthetic/alignment.py) on its own images at every supported size, under the
+degradations docs/evaluation.md documents, and on the controls (data/synthetic/controls.py): each property with a
+bound it must meet."""
 
 import time
 

@@ -17,6 +17,7 @@ from flax import nnx
 from reve_jax import diffusion
 from reve_jax.data import pipeline
 from reve_jax.latent import ae_config, autoencoder
+from reve_jax.progress import Progress
 
 log = logging.getLogger("reve_jax")
 
@@ -45,7 +46,7 @@ def _batches(cfg, batch: int, start: int):
 TRAIN_SEED = 0
 
 
-def train(cfg, log_every: int = 500) -> tuple[autoencoder.Autoencoder, dict]:
+def train(cfg) -> tuple[autoencoder.Autoencoder, dict]:
     """Train the autoencoder of `cfg.latent` on `cfg.data` (latent.train_steps steps of latent.train_batch images,
     AdamW with a cosine decay), then measure the latents' per-channel shift and scale. Returns (model, info).
 
@@ -78,10 +79,10 @@ def train(cfg, log_every: int = 500) -> tuple[autoencoder.Autoencoder, dict]:
     t0 = time.perf_counter()
     key = jax.random.key(cfg.seed)
     mse = float("nan")
+    progress = Progress("autoencoder step", lt.train_steps)
     for i, x in zip(range(lt.train_steps), _batches(cfg, lt.train_batch, 0), strict=False):
         params, opt_state, mse = step(params, opt_state, x, jax.random.fold_in(key, i))
-        if log_every and (i + 1) % log_every == 0:
-            log.info("autoencoder step %d/%d: reconstruction mse %.5f", i + 1, lt.train_steps, float(mse))
+        progress(i + 1, lambda mse=mse: f"reconstruction mse {float(mse):.5f}")
     model = nnx.merge(graphdef, params, rest)
     seconds = time.perf_counter() - t0
     shift, scale = _latent_stats(model, cfg)
@@ -119,8 +120,8 @@ def reconstruct(model: autoencoder.Autoencoder, images: np.ndarray, batch: int =
 
 
 def check_reconstructions(cfg, model: autoencoder.Autoencoder, n: int = 256) -> dict:
-    """Caption alignment (data/synthetic/alignment.py) of the autoencoder's reconstructions of `n` held-out images, beside
-    the real images' own score, per attribute (`recon_<attribute>`), and the reconstruction PSNR."""
+    """Caption alignment (data/synthetic/alignment.py) of the autoencoder's reconstructions of `n` held-out images,
+    beside the real images' own score, per attribute (`recon_<attribute>`), and the reconstruction PSNR."""
     from reve_jax.data.synthetic import alignment
     from reve_jax.metrics import vloss
 

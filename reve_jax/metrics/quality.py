@@ -40,6 +40,7 @@ from reve_jax.data import pipeline
 from reve_jax.data.synthetic import alignment, controls
 from reve_jax.metrics import bootstrap, frechet, kid, vloss
 from reve_jax.perceptual import shapes
+from reve_jax.progress import Progress
 from reve_jax.train import sampling
 
 
@@ -144,12 +145,14 @@ class Evaluator:
         """Images for the held-out captions: f32 [n_images, S, S, 3] in [-1, 1]."""
         out = []
         key = jax.random.key(self.seed)
+        progress = Progress("sampling evaluation images", len(self.noise))
         with self._ctx():
             for i in range(0, len(self.noise), self.batch):
                 text = {k: v[i : i + self.batch] for k, v in self.text.items()}
                 out.append(
                     np.asarray(jax.device_get(self.sample_fn(params, text, self.noise[i : i + self.batch], key)))
                 )
+                progress(i + len(out[-1]))
         return np.concatenate(out)
 
     def checks(self, images: np.ndarray) -> dict[str, np.ndarray]:

@@ -14,6 +14,7 @@ With `denoise_checkpoint` (scripts/evaluate.py --denoise): denoise_step_<N>.json
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ import jax
 import numpy as np
 from PIL import Image
 
-from reve_jax import config, viz
+from reve_jax import cli, config, viz
 from reve_jax.data.synthetic import alignment
 from reve_jax.metrics import denoise, quality
 from reve_jax.metrics import regions as regions_lib
@@ -142,3 +143,66 @@ def summary_line(m: dict) -> str:
         lines.append("controls (align_overall/kid): " + "  ".join(ctrl))
     lines.append(f"vloss {m.get('vloss', np.nan):.4f}")
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+def main(argv=None, doc: str = __doc__):
+    """scripts/evaluate.py: score a checkpoint (score_checkpoint) or run the denoising probe (denoise_checkpoint)."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", required=True, help="a run directory with checkpoints/")
+    parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+    parser.add_argument(
+        "--n",
+        type=int,
+        default=None,
+        help="held-out captions to score (default 512, the final numbers; 64 with --denoise)",
+    )
+    parser.add_argument("--seed", type=int, default=4321, help="sampling noise seed")
+    parser.add_argument("--out", default=None, help="output directory (default <workdir>/evaluation)")
+    parser.add_argument("--boot", type=int, default=1000, help="bootstrap resamples for the intervals")
+    parser.add_argument("--cache-dir", default=None, help="feature net cache (default ~/.cache/reve_jax)")
+    parser.add_argument("--dinov2", default=None, help="converted DINOv2 weights for fd_dinov2 (optional)")
+    parser.add_argument(
+        "--sampler", choices=config.CHOICES["sample.sampler"], help="sample with this sampler (default: the run's)"
+    )
+    parser.add_argument("--steps", type=int, help="sampling steps (default: the run's sample.steps)")
+    parser.add_argument("--cfg-scale", type=float, help="guidance scale (default: the run's sample.cfg_scale)")
+    parser.add_argument(
+        "--t-eps",
+        type=float,
+        help="the sampler's x-prediction clamp, sample.t_eps: 0 exact, -1 training's (default: the run's)",
+    )
+    parser.add_argument(
+        "--regions",
+        action="store_true",
+        help="also the KID with each region around the objects given back its real pixels (data.render='fixed')",
+    )
+    parser.add_argument(
+        "--denoise", default=None, help="comma-separated times in [0, 1), e.g. 0.5,0.85,0.95,0.99: the denoising probe"
+    )
+    args = parser.parse_args(argv)
+    cli.setup_logging()
+    if args.denoise is not None:
+        try:
+            times = tuple(float(t) for t in args.denoise.split(","))
+        except ValueError:
+            parser.error(f"--denoise {args.denoise!r}: give comma-separated numbers, e.g. 0.5,0.85,0.95,0.99")
+        _, json_path, png_path = denoise_checkpoint(args.workdir, args.step, times, args.n or 64, args.seed, args.out)
+        print(json_path)
+        print(png_path)
+        return
+
+    _, json_path, png_path = score_checkpoint(
+        args.workdir,
+        args.step,
+        args.n or 512,
+        args.seed,
+        args.out,
+        n_boot=args.boot,
+        cache_dir=args.cache_dir,
+        dinov2_path=args.dinov2,
+        sample={"sampler": args.sampler, "steps": args.steps, "cfg_scale": args.cfg_scale, "t_eps": args.t_eps},
+        regions=args.regions,
+    )
+    print(json_path)
+    print(png_path)

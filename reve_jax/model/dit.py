@@ -7,11 +7,12 @@ per-sample key lengths (cuDNN's fast path) instead of a dense mask.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from reve_jax.batch import model_shape
 from reve_jax.model import routing
 from reve_jax.model.layers import (
     Attention,
@@ -26,7 +27,61 @@ from reve_jax.model.layers import (
     swiglu_hidden,
     unpatchify,
 )
-from reve_jax.model.text import TextConditioner
+from reve_jax.model.text import TextArgs, TextConditioner
+
+
+@dataclasses.dataclass(frozen=True)
+class RouteArgs:
+    """TREAD: a random `keep_ratio` of the image tokens go through blocks [start, end) (end < 0 counts from depth)."""
+
+    enabled: bool = False
+    keep_ratio: float = 0.5
+    start: int = 1
+    end: int = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class DDTArgs:
+    """JIT-DDT's encoder tower: width, depth, heads, its coarse patch, and the downsampling of its x0 prediction."""
+
+    enc_width: int = 256
+    enc_depth: int = 2
+    enc_heads: int = 4
+    enc_patch: int = 8
+    enc_downsample: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelArgs:
+    """Everything the DiT is built from, explicitly (train_state.model_args maps a run config to it).
+
+    in_channels: channels of the input the model denoises (3 for pixels, an autoencoder's latent channels);
+    patch / bottleneck: the patch side and the bottleneck embedding's rank (0: a plain linear embedding);
+    attention: auto | xla | cudnn; remat: none | block | dots; scan_layers: blocks stacked under lax.scan;
+    repa_block: the block whose tokens the model returns for REPA (-1: none); ddt: the encoder tower (arch ddt).
+    """
+
+    in_channels: int = 3
+    width: int = 256
+    depth: int = 6
+    heads: int = 4
+    patch: int = 4
+    bottleneck: int = 64
+    mlp_ratio: float = 4.0
+    mlp_multiple_of: int = 16
+    qk_norm: bool = True
+    rope_theta: float = 100.0
+    pos_embed: str = "none"
+    norm_eps: float = 1e-6
+    dtype: str = "bfloat16"
+    param_dtype: str = "float32"
+    attention: str = "auto"
+    remat: str = "none"
+    scan_layers: bool = False
+    repa_block: int = -1
+    route: RouteArgs = RouteArgs()
+    text: TextArgs = TextArgs()
+    ddt: DDTArgs = DDTArgs()
 
 
 def _dtype(name: str):
@@ -96,18 +151,17 @@ class FinalLayer(nnx.Module):
 
 
 class DiT(nnx.Module):
-    """Maps (noisy image z [B,H,W,3], time t [B], caption) to the network output [B,H,W,3] in float32.
+    """Maps (noisy input z [B,H,W,C], time t [B], caption) to the network output [B,H,W,C] in float32, C =
+    args.in_channels.
 
-    `cfg` is the full run config (model, text and data sections are read); `tower` overrides the model section's
-    width/depth/heads/patch for the JIT-DDT encoder tower. `vocab_size` sizes the built-in tokenizer's embedding
-    (ignored for precomputed text embeddings). `out_patch` is the output pixels per token side (the encoder tower
-    predicts a downsampled image); `with_text_encoder=False` makes a tower that takes caption features from another.
+    `tower` overrides the width/depth/heads/patch of `args` for the JIT-DDT encoder tower. `out_patch` is the output
+    pixels per token side (the encoder tower predicts a downsampled image); `with_text_encoder=False` makes a tower
+    that takes caption features from another.
     """
 
     def __init__(
         self,
-        cfg,
-        vocab_size: int,
+        args: ModelArgs,
         *,
         rngs: nnx.Rngs,
         tower: dict | None = None,
@@ -115,7 +169,7 @@ class DiT(nnx.Module):
         with_text_encoder: bool = True,
         routing_allowed: bool = True,
     ):
-        m = cfg.model
+        m = args
         shape = dict(width=m.width, depth=m.depth, heads=m.heads, patch=m.patch, bottleneck=m.bottleneck)
         shape.update(tower or {})
         width, depth, heads = shape["width"], shape["depth"], shape["heads"]
@@ -135,10 +189,10 @@ class DiT(nnx.Module):
             routing.route_span(depth, m.route.start, m.route.end) if self.route else (0, 0)
         )
 
-        channels = model_shape(cfg)[2]  # 3 for pixels, latent.channels for an autoencoder's latents
+        channels = m.in_channels
         self.patch_embed = PatchEmbed(self.patch, width, shape["bottleneck"], channels=channels, **kw)
         self.time_embed = TimeEmbed(width, **kw)
-        self.text = TextConditioner(cfg, vocab_size, width, with_encoder=with_text_encoder, **kw)
+        self.text = TextConditioner(m.text, width, eps=m.norm_eps, with_encoder=with_text_encoder, **kw)
         hidden = swiglu_hidden(width, m.mlp_ratio, m.mlp_multiple_of)
         block_kw = dict(qk_norm=m.qk_norm, eps=m.norm_eps, impl=m.attention, dtype=dtype, param_dtype=param_dtype)
         if self.scan_layers:  # one module whose parameters carry a leading `layers` axis (depth blocks)
@@ -242,14 +296,13 @@ class DDT(nnx.Module):
     Output as DiT's, plus `aux["enc_out"]`: the encoder's prediction [B, H/d, W/d, 3], d = model.ddt.enc_downsample.
     """
 
-    def __init__(self, cfg, vocab_size: int, *, rngs: nnx.Rngs):
-        m, d = cfg.model, cfg.model.ddt
+    def __init__(self, args: ModelArgs, *, rngs: nnx.Rngs):
+        m, d = args, args.ddt
         dtype, param_dtype = _dtype(m.dtype), _dtype(m.param_dtype)
         self.enc_patch, self.dec_patch = d.enc_patch, m.patch
-        self.decoder = DiT(cfg, vocab_size, rngs=rngs)
+        self.decoder = DiT(args, rngs=rngs)
         self.encoder = DiT(
-            cfg,
-            vocab_size,
+            args,
             rngs=rngs,
             with_text_encoder=False,
             routing_allowed=False,

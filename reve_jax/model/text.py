@@ -7,6 +7,8 @@ unconditional branch is the same function for the built-in and the precomputed p
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -57,6 +59,20 @@ class BuiltinTextEncoder(nnx.Module):
         return self.norm(x)
 
 
+@dataclasses.dataclass(frozen=True)
+class TextArgs:
+    """The caption input: `encoder` "builtin" (tokens through the built-in encoder of width/depth/heads over a
+    vocabulary of vocab_size, max_len tokens) or "precomputed" (embeddings of width emb_dim)."""
+
+    encoder: str = "builtin"
+    vocab_size: int = 256
+    max_len: int = 32
+    width: int = 128
+    depth: int = 2
+    heads: int = 4
+    emb_dim: int = 384
+
+
 class TextConditioner(nnx.Module):
     """Caption -> (text tokens [B, L, width], valid lengths [B], pooled vector [B, width]).
 
@@ -64,17 +80,16 @@ class TextConditioner(nnx.Module):
     attention instead of a dense mask (cuDNN's fast path takes lengths).
     """
 
-    def __init__(self, cfg, vocab_size: int, width: int, *, rngs, dtype, param_dtype, with_encoder: bool = True):
-        t = cfg.text
+    def __init__(self, args: TextArgs, width: int, *, eps: float, rngs, dtype, param_dtype, with_encoder: bool = True):
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        builtin = t.encoder == "builtin"
+        builtin = args.encoder == "builtin"
         self.encoder = (
-            BuiltinTextEncoder(vocab_size, t.max_len, t.width, t.depth, t.heads, eps=cfg.model.norm_eps, **kw)
+            BuiltinTextEncoder(args.vocab_size, args.max_len, args.width, args.depth, args.heads, eps=eps, **kw)
             if builtin and with_encoder
             else None
         )
-        in_dim = t.width if builtin else t.emb_dim
-        self.in_norm = RMSNorm(in_dim, eps=cfg.model.norm_eps, param_dtype=param_dtype, axis_name=None)
+        in_dim = args.width if builtin else args.emb_dim
+        self.in_norm = RMSNorm(in_dim, eps=eps, param_dtype=param_dtype, axis_name=None)
         self.proj = dense(in_dim, width, ("text_embed", "embed"), **kw)
         self.pool_proj = dense(in_dim, width, ("text_embed", "embed"), **kw)
         init = nnx.initializers.normal(0.02)

@@ -23,7 +23,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", force=True)
     spec = shapes.DEFAULT_SPEC
-    model, info = shapes.train_feature_net(spec, log_every=100)
+    model, info = shapes.train_feature_net(spec)
     path = shapes.save_feature_net(model, info, Path(args.out) / f"feature_net_{spec.key()}.npz", np.float16)
     print(json.dumps({k: v for k, v in info.items() if k != "spec"}, indent=1))
     print(path)

@@ -34,6 +34,7 @@ from flax import nnx
 
 from reve_jax import diffusion
 from reve_jax.data import synthetic
+from reve_jax.progress import Progress
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +265,7 @@ def per_object_accuracy(model: FeatureNet, images, scenes) -> dict[str, float]:
     return out
 
 
-def train_feature_net(spec: FeatureSpec, log_every: int = 0) -> tuple[FeatureNet, dict]:
+def train_feature_net(spec: FeatureSpec) -> tuple[FeatureNet, dict]:
     """Trains a FeatureNet from scratch, deterministically for a given spec (on one platform). Returns (model,
     info): info has the held-out per-object accuracy on clean images ("test_accuracy"), under noise sigma 20
     ("test_accuracy_noise20") and blur 1 px ("test_accuracy_blur1"), and the training time."""
@@ -285,12 +286,11 @@ def train_feature_net(spec: FeatureSpec, log_every: int = 0) -> tuple[FeatureNet
     rng = np.random.default_rng(spec.seed)
     key = jax.random.key(spec.seed)
     loss = None
+    progress = Progress("feature net step", spec.steps)
     for i in range(spec.steps):
         idx = rng.integers(0, spec.n_train, spec.batch)
         loss = step(model, opt, images[idx], {k: v[idx] for k, v in targets.items()}, jax.random.fold_in(key, i))
-        if log_every and (i + 1) % log_every == 0:
-            elapsed = time.perf_counter() - t0
-            log.info("feature net step %d/%d loss %.4f (%.0fs)", i + 1, spec.steps, float(loss), elapsed)
+        progress(i + 1, lambda loss=loss: f"loss {float(loss):.4f}")
     spec_json = json.loads(json.dumps(dataclasses.asdict(spec)))  # as a saved file gives it back (lists)
     info = {"final_loss": float(loss), "train_s": time.perf_counter() - t0, "spec": spec_json}
     info.update(evaluate_feature_net(model, spec))

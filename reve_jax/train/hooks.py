@@ -126,9 +126,9 @@ def sample_prompts(cfg, dataset, n: int) -> tuple[list[str], dict]:
 class SampleHook:
     """Every train.sample_every steps and at the end: images of the last held-out captions of the data from fixed
     noise; a grid of `sample.num` of them in <workdir>/samples/step_<n>.png. On the procedural dataset the reader
-    (data/synthetic/alignment.py) also scores `sample.score_num` of them against their captions: per-attribute alignment goes
-    to metrics.jsonl and TensorBoard (`sample/align_*`), the grid marks each caption's checks, and the last scores
-    stay in `self.scores` (the trainer's summary)."""
+    (data/synthetic/alignment.py) also scores `sample.score_num` of them against their captions: per-attribute
+    alignment goes to metrics.jsonl and TensorBoard (`sample/align_*`), the grid marks each caption's checks, and
+    the last scores stay in `self.scores` (the trainer's summary)."""
 
     timed = False
 

@@ -17,20 +17,40 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from reve_jax import diffusion, optim, sharding
+from reve_jax.batch import model_shape
 from reve_jax.data import tokenizer
-from reve_jax.model.dit import DDT, DiT
+from reve_jax.model.dit import DDT, DDTArgs, DiT, ModelArgs, RouteArgs
+from reve_jax.model.text import TextArgs
 from reve_jax.train import objective
 
 
-def vocab_size(cfg) -> int:
-    return tokenizer.VOCAB_SIZE
+def model_args(cfg) -> ModelArgs:
+    """The model's arguments from a run config: its `model` and `text` sections, and the channels of what it
+    denoises (pixels, or the autoencoder's latents when latent.path is set: batch.model_shape)."""
+    m, t = cfg.model, cfg.text
+    keys = [f.name for f in dataclasses.fields(ModelArgs) if f.name not in ("in_channels", "route", "text", "ddt")]
+    return ModelArgs(
+        in_channels=model_shape(cfg)[2],
+        **{k: m[k] for k in keys},
+        route=RouteArgs(**m.route.to_dict()),
+        text=TextArgs(
+            encoder=t.encoder,
+            vocab_size=tokenizer.VOCAB_SIZE,
+            max_len=t.max_len,
+            width=t.width,
+            depth=t.depth,
+            heads=t.heads,
+            emb_dim=t.emb_dim,
+        ),
+        ddt=DDTArgs(**{f.name: m.ddt[f.name] for f in dataclasses.fields(DDTArgs)}),
+    )
 
 
 def build_model(cfg, seed: int = 0) -> DiT | DDT:
     """The NNX model (`model.arch`: dit or ddt) with concrete weights (use inside jit, or in tests)."""
     cls = DDT if cfg.model.arch == "ddt" else DiT
     with nnx.use_eager_sharding(False):
-        return cls(cfg, vocab_size(cfg), rngs=nnx.Rngs(seed))
+        return cls(model_args(cfg), rngs=nnx.Rngs(seed))
 
 
 @dataclasses.dataclass

@@ -4,7 +4,7 @@ how long a checkpoint save blocks the caller (plain, or staged behind the next s
     python scripts/bench_host.py input --preset dit-b2 --batch 64 [--config.data.worker_threads=4 ...]
     python scripts/bench_host.py ckpt --gb 2 [--leaves 64]
 
-Each prints a Markdown table row by row; `--json FILE` appends the rows.
+Each prints a Markdown table row by row; `--out DIR` appends the rows to DIR/host.jsonl.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -114,12 +115,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--repeats", type=int, default=5, help="input: timed runs (the median is reported)")
     p.add_argument("--gb", type=float, default=1.0, help="ckpt: state size in GB")
     p.add_argument("--leaves", type=int, default=64, help="ckpt: arrays in the state")
-    p.add_argument("--json", default=None, help="append the rows to this JSON-lines file")
+    p.add_argument("--out", default=None, help="append the rows to OUT/host.jsonl")
     p.add_argument("--dry-run", action="store_true", help="check the options and the config, then exit")
-    args, overrides = p.parse_known_args(argv)
-    bad = [o for o in overrides if not o.startswith("--config.")]
-    if bad:
-        p.error(f"unrecognised arguments {bad}; config overrides look like --config.data.worker_threads=4")
+    args, overrides = cli.parse_args(p, argv)
     rows = []
     if args.what == "input":
         try:
@@ -140,5 +138,5 @@ def main(argv=None) -> list[dict]:
             cli.dry_run_exit(f"would time plain and staged saves of a {args.gb:g} GB state in {args.leaves} arrays")
         rows += [save_blocking(args.gb, args.leaves, staged) for staged in (False, True)]
     for row in rows:
-        _print(row, args.json)
+        _print(row, Path(args.out) / "host.jsonl" if args.out else None)
     return rows

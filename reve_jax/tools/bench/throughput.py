@@ -336,25 +336,23 @@ def parse_args(argv=None):
         help="time an async checkpoint save in a loop (staged: behind the next step, as train.ckpt_overlap)",
     )
     p.add_argument("--ckpt-dir", default=None, help="where the benchmark checkpoint goes (default: a temp dir)")
-    p.add_argument(
-        "--compile-cache", default=None, help="persistent compilation cache dir (default train.compile_cache)"
-    )
     p.add_argument("--peer", action="store_true", help="also time the reference PyTorch DiT (needs .ref/models.py)")
     p.add_argument("--peer-ref", default=str(REPO / ".ref"), help="folder holding the reference DiT's models.py")
     p.add_argument("--peer-compile", default="auto", choices=("auto", "on", "off"), help="torch.compile (auto: GPU)")
     p.add_argument("--peer-timeout", type=int, default=900, help="seconds before the peer is given up")
     p.add_argument("--label", default="", help="a tag for the rows of this run (e.g. the XLA flags tried)")
-    p.add_argument("--json", default=None, help="append every row as a JSON line to this file")
+    p.add_argument("--out", default=None, help="append every row as a JSON line to OUT/results.jsonl")
     p.add_argument("--check-attention", action="store_true", help="compare cuDNN and XLA attention first")
     p.add_argument("--compile-only", action="store_true", help="compile from shapes and report memory, no timing")
     p.add_argument("--ours", default="on", choices=("on", "off"), help="time reve_jax (off: the peer alone)")
-    p.add_argument("--table-from", default=None, help="only print the table of the rows in this JSON-lines file")
+    p.add_argument("--table-from", default=None, help="only print the table of the rows an --out directory holds")
     p.add_argument("--dry-run", action="store_true", help="check the configs, inputs and mesh, then exit")
-    args, overrides = p.parse_known_args(argv)
-    bad = [o for o in overrides if not o.startswith("--config.")]
-    if bad:
-        p.error(f"unrecognised arguments {bad}; config overrides look like --config.model.depth=4")
-    return args, overrides
+    return cli.parse_args(p, argv)
+
+
+def _results(out: str) -> Path:
+    """The rows file of an --out directory (a path ending in .jsonl names the file itself)."""
+    return Path(out) if out.endswith(".jsonl") else Path(out) / "results.jsonl"
 
 
 def _cuda_visible() -> bool:
@@ -363,11 +361,12 @@ def _cuda_visible() -> bool:
 
 
 def main(argv=None) -> list[dict]:
-    """Run the benchmark; print the table last and return the rows. With --json each row is appended as soon as it
-    is measured, so a run cut short keeps what it finished."""
+    """Run the benchmark; print the table last and return the rows. With --out each row is appended as soon as it
+    is measured, so a run cut short keeps what it finished. The persistent compilation cache is the config's
+    (`--config.train.compile_cache=DIR`)."""
     args, overrides = parse_args(argv)
     if args.table_from:
-        rows = [json.loads(ln) for ln in Path(args.table_from).read_text().splitlines() if ln.strip()]
+        rows = [json.loads(ln) for ln in _results(args.table_from).read_text().splitlines() if ln.strip()]
         devices = sorted({f"{r['device']} x{r['devices']}, jax {r['jax']}" for r in rows})
         print("\n" + "; ".join(devices))
         print(format_table(rows), flush=True)
@@ -382,7 +381,7 @@ def main(argv=None) -> list[dict]:
         raise SystemExit(f"config error: {e}") from None
     if args.dry_run:
         dry_run(args, cfgs)
-    cache = args.compile_cache or cfgs[0].train.compile_cache
+    cache = cfgs[0].train.compile_cache
     if cache:
         enable_compile_cache(cache)
     opts = argparse.Namespace(
@@ -416,8 +415,9 @@ def main(argv=None) -> list[dict]:
 
     def record(row):
         rows.append(add_rates(row, peak, jax.device_count()))
-        if args.json:
-            with open(args.json, "a") as f:
+        if args.out:
+            _results(args.out).parent.mkdir(parents=True, exist_ok=True)
+            with open(_results(args.out), "a") as f:
                 f.write(json.dumps(dict(meta, **rows[-1])) + "\n")
 
     if peer_row:
