@@ -21,7 +21,7 @@ AE = ("latent.channels=4", "latent.downsample=2", "latent.width=8", "latent.trai
 @pytest.fixture(scope="module")
 def ae_file(tmp_path_factory):
     cfg = tiny_config(*AE)
-    model, info = latent_training.train(cfg, log_every=0)
+    model, info = latent_training.train(cfg)
     path = autoencoder.save(model, tmp_path_factory.mktemp("ae") / "ae.npz", info)
     return str(path), model
 
@@ -122,7 +122,7 @@ def test_one_autoencoder_per_dataset_whatever_the_runs_seeds():
         tiny_config(*AE, "data.colors=('red','green','white')")
     )
     short = ("latent.train_steps=3", "latent.train_batch=4")
-    ma, _ = latent_training.train(tiny_config(*AE, *short, "seed=1", "data.seed=1"), log_every=0)
-    mb, _ = latent_training.train(tiny_config(*AE, *short, "seed=2", "data.seed=5"), log_every=0)
+    ma, _ = latent_training.train(tiny_config(*AE, *short, "seed=1", "data.seed=1"))
+    mb, _ = latent_training.train(tiny_config(*AE, *short, "seed=2", "data.seed=5"))
     for x, y in zip(jax.tree.leaves(nnx.state(ma)), jax.tree.leaves(nnx.state(mb)), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
