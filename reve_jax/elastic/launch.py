@@ -227,4 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         # Workers of a supervisor that died (SIGKILL, lost node) stop by themselves instead of running on.
         orphan_timeout=max(60.0, 4 * args.heartbeat_timeout),
     )
-    return Supervisor(backend, worker, config, workdir, verbose=not args.quiet).run()
+    try:
+        supervisor = Supervisor(backend, worker, config, workdir, verbose=not args.quiet)
+    except RuntimeError as e:  # another launcher on the workdir, a fence that cannot be read: say so, once
+        raise SystemExit(f"launch: {e}") from None
+    return supervisor.run()

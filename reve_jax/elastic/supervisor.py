@@ -69,10 +69,20 @@ class Supervisor:
         self.policy = P.Policy(self.hosts, config)
         self.poll_s, self.clock, self.verbose = poll_s, clock, verbose
         events_path = os.path.join(workdir, "events.jsonl")
-        # A launch that resumes a run continues its attempt numbers, so logs and events stay apart.
-        self.policy.next_attempt = _next_attempt(events_path)
-        self.fenced_below = fence.read_fence(workdir)
         self._lock = _lock_workdir(workdir)
+        try:
+            self.fenced_below = fence.read_fence(workdir)
+        except fence.FenceUnreadable as e:
+            self._lock.close()
+            raise RuntimeError(
+                f"{e}. The supervisor must know which groups are fenced off before it numbers the next one: fix "
+                f"the file's permissions or file system, or remove it if no worker of an earlier launch can still "
+                f"run (then every old group may write again)."
+            ) from None
+        # A launch that resumes a run continues its attempt numbers, so logs and events stay apart; and never
+        # below the fence (events.jsonl lost, truncated or not copied): a group numbered there would be fenced
+        # off by its own launch.
+        self.policy.next_attempt = max(_next_attempt(events_path), self.fenced_below)
         self.log = EventLog(events_path, clock)
         # Listen only where the workers reach us; a fresh secret per run proves a beat comes from one of them.
         self.server = HeartbeatServer(
