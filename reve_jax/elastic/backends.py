@@ -31,14 +31,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_quietly(argv: list[str], timeout: float = 15.0) -> None:
-    """Runs a best-effort helper command (remote kill) in a thread so the supervisor never waits on it."""
+def _run_quietly(argv: list[str], timeout: float = 15.0) -> threading.Thread:
+    """Runs a best-effort helper command (remote kill) in a thread so the supervisor's loop never waits on it;
+    returns the thread (joined on the way out, so that the remote side is cleaned up before the launcher exits)."""
 
     def go():
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout)
 
-    threading.Thread(target=go, daemon=True).start()
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    return thread
 
 
 class Proc:
@@ -48,6 +51,7 @@ class Proc:
     def __init__(self, popen: subprocess.Popen, log, remote_kill: list[str] | None = None):
         self.popen, self._log, self._remote_kill = popen, log, remote_kill
         self.pid = popen.pid
+        self.killing: threading.Thread | None = None  # the remote kill, while it runs
 
     def poll(self) -> int | None:
         code = self.popen.poll()
@@ -58,7 +62,7 @@ class Proc:
 
     def kill(self) -> None:
         if self._remote_kill:
-            _run_quietly(self._remote_kill)
+            self.killing = _run_quietly(self._remote_kill)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, signal.SIGKILL)
 
@@ -275,9 +279,11 @@ class SSHBackend:
         cmd = " ".join(shlex.quote(a) for a in argv)
         secret = f"{_READ_SECRET}; " if read_secret else ""
         pf = f'"$d"/{shlex.quote(pid_name)}'
+        # The file goes however the shell ends: the worker's exit, or the session cut (SIGHUP when ssh is killed).
         return (
-            f"{_PRIVATE_PID_DIR}; cd {shlex.quote(self.remote_dir)} && {{ {secret}env {assigns} setsid {cmd} & "
-            f"echo $! > {pf}; wait $!; rc=$?; rm -f -- {pf}; exit $rc; }}"
+            f"{_PRIVATE_PID_DIR}; trap 'rm -f -- {pf}' EXIT; trap 'exit 129' HUP TERM; "
+            f"cd {shlex.quote(self.remote_dir)} && {{ {secret}env {assigns} setsid {cmd} & "
+            f"echo $! > {pf}; wait $!; }}"
         )
 
     @staticmethod

@@ -307,6 +307,10 @@ class Supervisor:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             time.sleep(0.05)
+        for proc in procs:  # remote kills (ssh, scancel) finish, so nothing of the run is left on the hosts
+            thread = getattr(proc, "killing", None)
+            if thread is not None:
+                thread.join(timeout=max(0.0, deadline + 5 - time.monotonic()))
 
     def _say(self, text: str) -> None:
         if self.verbose:
