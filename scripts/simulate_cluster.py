@@ -1,11 +1,17 @@
 """Simulate the elastic supervisor's policy on a large cluster: goodput, time lost by cause, hosts out.
 
-    python scripts/simulate_cluster.py                        # 30 days, 1,250 hosts x 8 GPUs, isolate-and-continue
+With no flags it simulates the launcher as it runs by default (scripts/launch.py: its timeouts, the fast
+restart and in-memory snapshots, re-admission by cost from its MTBF guess; reve_jax/elastic/launch.py DEFAULTS)
+on 30 days of 1,250 hosts x 8 GPUs. `--defaults cluster` gives the calibration setting of docs/planning.md
+instead (cluster-scale timeouts, no recovery mechanism), as `--preset` does.
+
+    python scripts/simulate_cluster.py                        # the launcher's defaults, 10,000 GPUs, 30 days
+    python scripts/simulate_cluster.py --defaults cluster     # the calibration setting (docs/planning.md)
     python scripts/simulate_cluster.py --compare --compare-spares 16   # vs restart-all on the same failure trace
     python scripts/simulate_cluster.py --recommend            # sweep + refine the checkpoint interval
     python scripts/simulate_cluster.py --preset llama3        # Llama 3's setting (calibration)
     python scripts/simulate_cluster.py --before-after         # the recovery mechanisms: each alone, then all
-    python scripts/simulate_cluster.py --mechanisms fast_restart,snapshots   # one run with them
+    python scripts/simulate_cluster.py --mechanisms none      # the launcher's timeouts, no recovery mechanism
     python scripts/simulate_cluster.py --hosts 512 --failures-per-gpu-day 1e-3 --ckpt-interval-s 900 --json out.json
 
 Every field of reve_jax.plan.cluster.ClusterConfig is an option (--repair-median-h, --restart-s, ...).
@@ -18,32 +24,79 @@ import json
 from pathlib import Path
 
 from reve_jax import cli
+from reve_jax.elastic import launch
 from reve_jax.plan import cluster, interval, report, sim
 
+# The launcher's options that are policy settings of the simulated cluster too.
+LAUNCHER_FIELDS = ("heartbeat_timeout", "progress_timeout", "startup_timeout", "stop_timeout", "probe_interval")
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--policy", choices=cluster.POLICIES, default=None, help="default isolate")
-    parser.add_argument("--preset", choices=sorted(cluster.PRESETS), default=None)
-    parser.add_argument("--compare", action="store_true", help="isolate and restart-all on one trace")
-    parser.add_argument("--compare-spares", type=int, default=0, help="with --compare: also both with N spares")
-    parser.add_argument("--recommend", action="store_true", help="sweep the checkpoint interval")
-    parser.add_argument(
-        "--mechanisms", default="", help=f"comma list of {', '.join(cluster.RECOVERY_MECHANISMS)}: applied first"
+
+def launcher_config(base: cluster.ClusterConfig) -> cluster.ClusterConfig:
+    """`base` with scripts/launch.py's default policy settings (launch.DEFAULTS)."""
+    fields = {k: float(launch.DEFAULTS[k]) for k in LAUNCHER_FIELDS}
+    return dataclasses.replace(base, max_strikes=int(launch.DEFAULTS["max_strikes"]), **fields)
+
+
+def launcher_mtbf_guess(c: cluster.ClusterConfig) -> float:
+    """The launcher's MTBF guess (launch.DEFAULTS["host_mtbf_h"]) as a multiple of the true one of `c`."""
+    true_h = 24.0 / (c.failures_per_gpu_day * c.gpus_per_host) if c.failures_per_gpu_day > 0 else 1.0
+    return launch.DEFAULTS["host_mtbf_h"] / true_h
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--policy", choices=cluster.POLICIES, default=None, help="default isolate")
+    p.add_argument("--preset", choices=sorted(cluster.PRESETS), default=None)
+    p.add_argument("--compare", action="store_true", help="isolate and restart-all on one trace")
+    p.add_argument("--compare-spares", type=int, default=0, help="with --compare: also both with N spares")
+    p.add_argument("--recommend", action="store_true", help="sweep the checkpoint interval")
+    p.add_argument(
+        "--defaults",
+        choices=("launcher", "cluster"),
+        default=None,
+        help="launcher (the default): scripts/launch.py's settings and recovery mechanisms; cluster: the calibration "
+        "setting of docs/planning.md (the default with --preset)",
     )
-    parser.add_argument("--before-after", action="store_true", help="the loss table without and with each mechanism")
-    parser.add_argument("--json", default="", help="write the result(s) here")
-    parser.add_argument("--dry-run", action="store_true", help="check the options, then exit")
-    cluster.add_arguments(parser)
-    args = parser.parse_args(argv)
+    p.add_argument(
+        "--mechanisms",
+        default=None,
+        help=f"comma list of {', '.join(cluster.RECOVERY_MECHANISMS)}, or 'none': applied first (default: the "
+        f"launcher's, {','.join(launch.DEFAULT_MECHANISMS)}, with --defaults launcher; none otherwise)",
+    )
+    p.add_argument("--before-after", action="store_true", help="the loss table without and with each mechanism")
+    p.add_argument("--json", default="", help="write the result(s) here")
+    p.add_argument("--dry-run", action="store_true", help="check the options, then exit")
+    cluster.add_arguments(p)
+    return p
 
+
+def settings(args) -> tuple[cluster.ClusterConfig, str, list[str]]:
+    """The simulated cluster, the policy and the recovery mechanisms the parsed `args` ask for."""
     base, policy = cluster.ClusterConfig(), "isolate"
     if args.preset:
         fields, policy = cluster.PRESETS[args.preset]
         base = dataclasses.replace(base, **fields)
     policy = args.policy or policy
-    mechanisms = [m for m in args.mechanisms.split(",") if m]
+    defaults = args.defaults or ("cluster" if args.preset else "launcher")
+    if defaults == "launcher":
+        base = launcher_config(base)
+    if args.mechanisms is None:
+        mechanisms = list(launch.DEFAULT_MECHANISMS) if defaults == "launcher" else []
+    else:
+        mechanisms = [m for m in args.mechanisms.split(",") if m and m != "none"]
+    if args.before_after:  # the table adds each mechanism to a run without any
+        mechanisms = []
     c = cluster.config_from_args(args, cluster.with_mechanisms(base, mechanisms) if mechanisms else base)
+    if defaults == "launcher" and args.mtbf_guess is None:
+        c = dataclasses.replace(c, mtbf_guess=launcher_mtbf_guess(c))
+    return c, policy, mechanisms
+
+
+def main(argv=None):
+    args = make_parser().parse_args(argv)
+    c, policy, mechanisms = settings(args)
+    defaults = args.defaults or ("cluster" if args.preset else "launcher")
+    print(f"settings: {defaults} defaults; recovery mechanisms: {', '.join(mechanisms) or 'none'}")
     if args.dry_run:
         spares = f" (and both with {args.compare_spares} spares)" if args.compare_spares else ""
         what = f"compare isolate and restart-all{spares}" if args.compare else f"simulate policy {policy}"
