@@ -149,3 +149,37 @@ def test_the_supervisor_refuses_to_start_on_a_fence_it_cannot_read(tmp_path):
     backend = backends.LocalBackend(1)
     with pytest.raises(RuntimeError, match=r"cannot read the fence .*remove it"):
         Supervisor(backend, WorkerSettings(argv=["true"]), PolicyConfig(), str(wd), verbose=False)
+
+
+BLOCKED_STDERR = textwrap.dedent(
+    """
+    import os, sys, threading, time
+    from reve_jax.elastic.fence import Fence
+    Fence(sys.argv[1], attempt=3, poll_s=0.1).install()
+    # stderr is a pipe nobody reads (a cut-off host's ssh session): fill it until a write blocks, as logging does.
+    threading.Thread(target=lambda: os.write(2, b"x" * (1 << 20)), daemon=True).start()
+    print("ready", flush=True)
+    time.sleep(60)
+    """
+)
+
+
+def test_a_fenced_process_whose_stderr_blocks_still_exits(tmp_path):
+    """Found by the chaos soak: a partitioned worker's stderr goes to an ssh session nobody drains any more, so
+    the fence's farewell line blocked (or raised EPIPE once the session was gone) and the process lived on."""
+    wd = tmp_path / "run"
+    wd.mkdir()
+    fence.write_fence(str(wd), 3)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BLOCKED_STDERR, str(wd)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(0.5)  # the pipe is full now
+        fence.write_fence(str(wd), 4)
+        t0 = time.monotonic()
+        code = proc.wait(timeout=10)
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    assert code == fence.EXIT_FENCED and time.monotonic() - t0 < 5

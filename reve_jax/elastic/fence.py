@@ -29,6 +29,7 @@ the attribute cache expires (a few seconds).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import sys
@@ -88,6 +89,11 @@ def read_fence(workdir: str) -> int:
         raise FenceUnreadable(errno.EINVAL, f"the fence {path} holds {data[:32]!r}, not a group number") from None
 
 
+def _write_quietly(fd: int, data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        os.write(fd, data)
+
+
 class Fence:
     """The worker's side for group `attempt` writing under `workdir`."""
 
@@ -110,8 +116,13 @@ class Fence:
             return True
 
     def exit_fenced(self, why: str) -> None:
-        """Ends the process at once: no clean-up code (which could write) runs."""
-        os.write(2, f"fence: group {self.attempt} superseded ({why}); exiting without writing\n".encode())
+        """Ends the process at once: no clean-up code (which could write) runs. The farewell line is written from
+        a thread given half a second: a cut-off host's stderr is an ssh session nobody drains any more, where a
+        write blocks (or fails once the session is gone), and the process must end all the same."""
+        line = f"fence: group {self.attempt} superseded ({why}); exiting without writing\n".encode()
+        writer = threading.Thread(target=_write_quietly, args=(2, line), daemon=True)
+        writer.start()
+        writer.join(timeout=0.5)
         os._exit(EXIT_FENCED)
 
     def install(self) -> Fence:

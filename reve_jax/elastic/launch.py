@@ -178,8 +178,14 @@ def group_sizes(spec: str, num_hosts: int, devices_per_host: int, hints: dict) -
     return tuple(n for n in range(1, num_hosts + 1) if batch % (n * devices_per_host) == 0)
 
 
+# Worker scripts that run reve_jax's trainer, so compile-ahead and warm standbys apply: scripts/train.py, and
+# scripts/chaos.py, the chaos soak's worker (the trainer with every step's data positions logged).
+TRAINER_SCRIPTS = ("train.py", "chaos.py")
+
+
 def is_trainer(args) -> bool:
-    return os.path.abspath(args.script) == os.path.abspath(os.path.join(backends.REPO_ROOT, "scripts", "train.py"))
+    script = os.path.abspath(args.script)
+    return any(script == os.path.join(backends.REPO_ROOT, "scripts", name) for name in TRAINER_SCRIPTS)
 
 
 def precompile_argv(args, overrides: list[str]) -> list[str]:

@@ -36,6 +36,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from collections import defaultdict
@@ -111,6 +112,7 @@ class Snapshots:
         guard = getattr(worker, "guard_writes", None)
         if guard is not None:  # a superseded process must not write sets either (fence.py)
             guard(str(run_dir))
+        self.run_dir = run_dir
         self.store = HostStore(run_dir / host, auth.derive(token, "snapshot/manifest"))
         self.server = None
         self.peers: dict[int, str] = {}
@@ -287,11 +289,12 @@ class Snapshots:
         return out
 
     def close(self, finished: bool = False) -> None:
-        """Stops serving; a finished run's snapshots are removed (the final checkpoint is on disk)."""
+        """Stops serving; a finished run's snapshots are removed (the final checkpoint is on disk): the run's
+        whole directory in this host's memory, with any sets kept there for hosts that left the group."""
         if self.server is not None:
             self.server.close()
         if finished:
-            self.store.clear()
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
 
 def _digest(token: str) -> str:
