@@ -64,6 +64,7 @@ class HeartbeatServer:
         self._stop_attempts: set[int] = set()
         self._fence = -1  # groups numbered below this one are fenced off
         self._assignments: dict[str, dict] = {}  # standby token -> the variables of its place in a group
+        self._retired: set[str] = set()  # standby tokens told to exit
         self._lock = threading.Lock()
         self._last_n: dict[str, int] = {}  # client session -> last counter accepted
         self._rejected: collections.Counter = collections.Counter()
@@ -122,6 +123,8 @@ class HeartbeatServer:
         assignment = self._assignments.get(msg.get("standby"))
         if assignment is not None:
             reply["assign"] = assignment
+        elif msg.get("standby") in self._retired:
+            reply["retire"] = True
         return reply
 
     def _reject(self, reason: str, peer: str) -> None:
@@ -149,6 +152,10 @@ class HeartbeatServer:
     def assign(self, token: str, variables: dict) -> None:
         """The standby `token` gets `variables` (its place in a group) in the reply to its next beat."""
         self._assignments[token] = dict(variables)
+
+    def retire(self, token: str) -> None:
+        """The standby `token` is told to exit in the reply to its next beat (the pool dropped it)."""
+        self._retired.add(token)
 
     def fence(self, attempt: int) -> None:
         """From now on, replies to workers of groups numbered below `attempt` tell them they are fenced off."""
@@ -263,7 +270,8 @@ class HeartbeatClient:
         return time.monotonic() - self._last_ok
 
     def wait_assignment(self) -> dict:
-        """Blocks until a reply carries an assignment (a standby's place in a group); returns it."""
+        """Blocks until a reply carries an assignment (a standby's place in a group); returns it, or {} when the
+        supervisor retired this standby instead."""
         self._assigned.wait()
         return self._assignment
 
@@ -314,6 +322,8 @@ class HeartbeatClient:
                     self._on_fenced()
                 if isinstance(reply.get("assign"), dict) and not self._assigned.is_set():
                     self._assignment = reply["assign"]
+                    self._assigned.set()
+                elif reply.get("retire"):  # a standby the supervisor dropped: wait_assignment returns {}
                     self._assigned.set()
                 self._last_ok = time.monotonic()
                 return True

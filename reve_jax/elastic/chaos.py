@@ -253,13 +253,23 @@ class Soak:
         if code != 2:
             raise SoakError(f"the launcher exited {code} after SIGTERM, not 2 (stopped); see {self.wd}/launcher.log")
         before = self.last_step()
-        _wait(lambda: not _processes_with(str(self.wd)), 60, "the stopped run's processes to go")
+        self._gone(60)
         self.start_launcher()
         first = _wait(lambda: self.logged(after=stopped), self.s.timeout, "training again after the restart")
         step = min(r["step"] for r in first)
         again = _wait(lambda: [r for r in self.logged(after=stopped) if r["step"] == step], 5, "the first step")
         return {"detect_s": round(stopped - t, 2), "again_s": round(max(r["time"] for r in again) - t, 2),
                 "lost": before - (step - 1), "blamed": [], "restored": step - 1}  # fmt: skip
+
+    def _gone(self, timeout: float) -> None:
+        """Waits until no process of the run is left (they carry the run directory on their command line)."""
+        try:
+            _wait(lambda: not _processes_with(str(self.wd)), timeout, "the run's processes to go")
+        except SoakError:
+            left = [_cmdline(pid)[:200] for pid in _processes_with(str(self.wd))]
+            raise SoakError(
+                f"{len(left)} processes of the run still there {timeout:.0f} s after it ended: {left}"
+            ) from None
 
     def _checkpoints(self) -> list[int]:
         d = self.wd / "checkpoints"
@@ -289,7 +299,7 @@ class Soak:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.launcher.pid, signal.SIGKILL)
                 self.launcher.wait(timeout=30)
-            _wait(lambda: not _processes_with(str(self.wd)), 60, "the run's processes to go")
+            self._gone(60)
         finish = self.events("finish")
         if code != 0 or not finish or finish[-1]["status"] != "finished":
             problems.append(f"the launcher exited {code}, finish {finish[-1] if finish else None}")
@@ -396,15 +406,15 @@ def _kill_quietly(pid: int) -> None:
 
 
 def _processes_with(needle: str) -> list[int]:
-    found = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if needle.encode() in f.read() and int(pid) != os.getpid():
-                    found.append(int(pid))
-        except OSError:
-            continue
-    return found
+    return [int(p) for p in filter(str.isdigit, os.listdir("/proc")) if int(p) != os.getpid() and needle in _cmdline(p)]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _row_line(n: int, r: dict) -> str:

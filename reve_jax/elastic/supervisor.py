@@ -170,7 +170,8 @@ class Supervisor:
         g = self.policy.group
         training = g is not None and g.mode == "running" and all(m.trained for m in g.members.values())
         if self.standbys is not None:
-            self.standbys.poll()
+            for s in self.standbys.poll():  # its local ssh/srun gone: the remote standby must not live on
+                self.server.retire(s.token)
             if training:
                 usable = self.policy.usable()
                 self.standbys.ensure(usable)
