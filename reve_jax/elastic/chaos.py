@@ -75,8 +75,10 @@ class Settings:
     def steps_needed(self) -> int:
         # Per fault: a few steps to train again at full size, up to a checkpoint interval for the re-admission's
         # stop, and the steps a fault loses; then room for the last re-admission.
-        per_fault = self.ckpt_every + 6 if self.settle else 4
-        return max(self.steps, per_fault * self.faults_per_kind * len(self.kinds) + 3 * self.ckpt_every + 20)
+        faults = self.faults_per_kind * len(self.kinds)
+        if not self.settle:  # faults come two steps apart, whatever the group size
+            return max(self.steps, 4 * faults + 2 * self.ckpt_every + 4)
+        return max(self.steps, (self.ckpt_every + 6) * faults + 3 * self.ckpt_every + 20)
 
 
 def _wait(cond, timeout: float, what: str, poll: float = 0.1):
