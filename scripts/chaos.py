@@ -18,6 +18,7 @@ again, steps lost), writes everything to --report, and exits 0 only when every c
 import argparse
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -76,6 +77,8 @@ def main(argv: list[str]) -> int:
     print(f"chaos: {args.hosts} hosts, {len(kinds) * args.faults_per_kind} faults ({', '.join(kinds)}), "
           f"{s.steps_needed()} steps, seed {args.seed}, in {root}; {os.cpu_count()} CPUs, "
           f"load {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+    # SIGTERM ends the soak like Ctrl-C: the bed, the launcher and the mounts are cleaned up on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.time()
     report = chaos.soak(s, root, say=lambda line: print(line, flush=True))
     report["seconds"] = round(time.time() - t0, 1)

@@ -6,8 +6,10 @@ Faults (one at a time, on a host drawn at random, once the group trains at full 
   stop        SIGSTOP of it (alive, silent: detected by heartbeat, fenced off, killed)
   partition   the host's link down until the run trains again without it (its worker is fenced off)
   sshd        the host's sshd stopped and its worker killed; probes fail until sshd is started again
-  disk        the host's view of checkpoints/ becomes a full tmpfs (a copy of what was there, in the mount namespace
-              of its worker): its next save fails; freed once the failure is seen
+  disk        the view of checkpoints/ of the host of process 0 (it makes each checkpoint's directory) becomes a full
+              tmpfs (a copy of what was there, in the mount namespace of its worker only): its next save fails with
+              ENOSPC, which hangs Orbax's asynchronous save until the supervisor's start-up grace (the phase is
+              "saving") ends it; the disk is freed once the failure is seen
   corrupt     the newest checkpoint's array files truncated while the group is frozen, and the host and its ring
               successor "rebooted" (workers SIGKILLed, their snapshot sets gone), so the restore must read the disk,
               find the newest checkpoint undecodable, set it aside and use the one before
@@ -46,6 +48,7 @@ MODEL = [
     "--config.train.global_batch=12", "--config.train.sample_every=0", "--config.sample.num=2",
     "--config.sample.steps=1", "--config.train.peak_tflops=1", "--config.model.attention=xla",
     "--config.optim.warmup_steps=10",
+    "--config.mesh.fsdp=2",  # the state sharded: every process writes (and snapshots) pieces of its own
 ]  # fmt: skip
 FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
@@ -65,6 +68,10 @@ class Settings:
     snapshot_every: int = 2
     heartbeat_timeout: float = 3.0
     probe_interval: float = 2.0
+    # The launcher's grace for phases other than "train" (300 s by default, sized for a cluster's start-up). A full
+    # disk under process 0 hangs Orbax's asynchronous save (its threads wait on signals that never come) and only
+    # this grace ends it: the soak keeps it short.
+    startup_timeout: float = 90.0
     rtol: float = 0.02  # the loss curve's largest relative difference allowed against the uninterrupted run
     timeout: float = 240.0  # s for any one wait
     # Before each fault, wait for the group to train on every host again (the failed one re-admitted) with its
@@ -117,6 +124,7 @@ class Soak:
             "--hosts", ",".join(self.bed.hosts), "--remote-dir", ROOT, "--python", sys.executable,
             *[f"--ssh-arg={a}" for a in self.bed.ssh[1:]], "--devices-per-host", "2",
             "--heartbeat-timeout", str(self.s.heartbeat_timeout), "--probe-interval", str(self.s.probe_interval),
+            "--startup-timeout", str(self.s.startup_timeout),
             "--max-strikes", "1000000",  # the faults are made here, not by bad hardware: never exclude a host
             "--snapshot-every", str(self.s.snapshot_every), *self.overrides,
         ]  # fmt: skip
@@ -179,7 +187,7 @@ class Soak:
             _wait(lambda: len(self._checkpoints()) >= 2, self.s.timeout, "two checkpoints")
             attempt, hosts = self.group()
         victim = self.rng.randrange(len(hosts))
-        host = hosts[victim]
+        host = hosts[0] if kind == "disk" else hosts[victim]
         pids = self.worker_pids(attempt)
         row = {"kind": kind, "host": host, "attempt": attempt, "step": self.last_step()}
         t = time.time()
@@ -194,7 +202,8 @@ class Soak:
     def _measure(self, kind: str, t: float) -> dict:
         if kind == "supervisor":
             return self._restart_launcher(t)
-        fail = _wait(lambda: self.events("failure", t), self.s.timeout, f"the failure after {kind}")[0]
+        wait = self.s.timeout + (self.s.startup_timeout if kind == "disk" else 0)  # a hung save: see Settings
+        fail = _wait(lambda: self.events("failure", t), wait, f"the failure after {kind}")[0]
         rec = _wait(
             lambda: [r for r in self.events("recovery", t) if r["cause"] != "readmit"], self.s.timeout, "recovery"
         )[0]
@@ -226,7 +235,10 @@ class Soak:
         return lambda: (time.sleep(2 * self.s.probe_interval), self.bed.start_sshd(i))  # a failed probe first
 
     def _fault_disk(self, victim, hosts, pids):
-        return full_disk(pids[hosts[victim]], self.wd / "checkpoints", self.root / f"disk{time.time_ns()}")
+        # Process 0 makes each checkpoint's directory, where the others then write: a full disk on its host fails
+        # the save with ENOSPC. (A full view on another host would fail with ENOENT: process 0's directory is not
+        # in that host's copy.)
+        return full_disk(pids[hosts[0]], self.wd / "checkpoints", self.root / f"disk{time.time_ns()}")
 
     def _fault_corrupt(self, victim, hosts, pids):
         group = [pids[h] for h in hosts]
@@ -250,7 +262,7 @@ class Soak:
         os.kill(self.launcher.pid, signal.SIGTERM)
 
     def _restart_launcher(self, t: float) -> dict:
-        code = self.launcher.wait(timeout=self.s.timeout)
+        code = self._exit_code(self.s.timeout)
         stopped = time.time()
         if code != 2:
             raise SoakError(f"the launcher exited {code} after SIGTERM, not 2 (stopped); see {self.wd}/launcher.log")
@@ -262,6 +274,12 @@ class Soak:
         again = _wait(lambda: [r for r in self.logged(after=stopped) if r["step"] == step], 5, "the first step")
         return {"detect_s": round(stopped - t, 2), "again_s": round(max(r["time"] for r in again) - t, 2),
                 "lost": before - (step - 1), "blamed": [], "restored": step - 1}  # fmt: skip
+
+    def _exit_code(self, timeout: float) -> int:
+        try:
+            return self.launcher.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise SoakError(f"the launcher still runs after {timeout:.0f} s; see {self.wd}/launcher.log") from None
 
     def _gone(self, timeout: float) -> None:
         """Waits until no process of the run is left (they carry the run directory on their command line)."""
@@ -295,13 +313,13 @@ class Soak:
                 row = self.inject(kind)
                 rows.append(row)
                 say(_row_line(n, row))
-            code = self.launcher.wait(timeout=self.s.timeout + 5 * self.steps)
-        finally:
-            if self.launcher.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.launcher.pid, signal.SIGKILL)
-                self.launcher.wait(timeout=30)
-            self._gone(60)
+            code = self._exit_code(self.s.timeout + 5 * self.steps)
+        except BaseException:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.launcher.pid, signal.SIGKILL)
+            self.launcher.wait(timeout=30)
+            raise  # the bed's close kills what ran on the hosts
+        self._gone(60)  # what outlives a finished run is a leftover: found here, before the bed's close kills it
         finish = self.events("finish")
         if code != 0 or not finish or finish[-1]["status"] != "finished":
             problems.append(f"the launcher exited {code}, finish {finish[-1] if finish else None}")
