@@ -276,8 +276,9 @@ class Checkpointer:
         self._open()
 
     def _open(self):
+        # A save that failed (disk full, a process killed) leaves its temporary directory: removed on the next open.
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=self.keep, create=True, enable_async_checkpointing=self.async_save
+            max_to_keep=self.keep, create=True, enable_async_checkpointing=self.async_save, cleanup_tmp_directories=True
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 

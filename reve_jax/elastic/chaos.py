@@ -10,9 +10,10 @@ Faults (one at a time, on a host drawn at random, once the group trains at full 
               tmpfs (a copy of what was there, in the mount namespace of its worker only): its next save fails with
               ENOSPC, which hangs Orbax's asynchronous save until the supervisor's start-up grace (the phase is
               "saving") ends it; the disk is freed once the failure is seen
-  corrupt     the newest checkpoint's array files truncated while the group is frozen, and the host and its ring
-              successor "rebooted" (workers SIGKILLed, their snapshot sets gone), so the restore must read the disk,
-              find the newest checkpoint undecodable, set it aside and use the one before
+  corrupt     the newest checkpoint's array files truncated while the group is frozen, then every host "rebooted"
+              (workers SIGKILLed, the run's snapshot sets gone from host memory), so the restore must read the disk,
+              find the newest checkpoint undecodable, agree on it across processes, set it aside and use the one
+              before
   supervisor  SIGTERM to the launcher (the group saves and exits, the launcher exits 2), then the same command again
 After each fault the harness waits for the failed host to be re-admitted. Each row of the table: detect (fault ->
 the supervisor's failure record; for `supervisor`, -> the launcher's exit), training again (fault -> the first
@@ -85,7 +86,8 @@ class Settings:
         faults = self.faults_per_kind * len(self.kinds)
         if not self.settle:  # faults come two steps apart, whatever the group size
             return max(self.steps, 4 * faults + 2 * self.ckpt_every + 4)
-        return max(self.steps, (self.ckpt_every + 6) * faults + 3 * self.ckpt_every + 20)
+        # Measured: a fault, the re-admission (at the next checkpoint) and the new standbys take ~20 steps.
+        return max(self.steps, (2 * self.ckpt_every + 15) * faults + 3 * self.ckpt_every + 20)
 
 
 def _wait(cond, timeout: float, what: str, poll: float = 0.1):
@@ -249,14 +251,11 @@ class Soak:
             if f.is_file() and f.parent.name == "d":  # the array chunks (ocdbt data files)
                 with open(f, "r+b") as fh:
                     fh.truncate(f.stat().st_size // 3)
-        lost = [hosts[victim], hosts[(victim + 1) % len(hosts)]]  # a host and its ring successor: no copy survives
-        for h in lost:
-            shutil.rmtree(self._snapshot_dir() / h, ignore_errors=True)
-            os.kill(pids[h], signal.SIGKILL)
+        # Every host's memory goes: any host left with its sets (this group's or an older one's) could restore a
+        # complete snapshot and never read the disk.
+        shutil.rmtree(self._snapshot_dir(), ignore_errors=True)
         for h in hosts:
-            if h not in lost:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pids[h], signal.SIGCONT)
+            os.kill(pids[h], signal.SIGKILL)
 
     def _fault_supervisor(self, victim, hosts, pids):
         os.kill(self.launcher.pid, signal.SIGTERM)
@@ -353,13 +352,19 @@ def soak(s: Settings, root: Path, say=print) -> dict:
 
     pid_dir = Path.home() / ".cache" / "reve_jax" / "pids"
     pid_files = set(os.listdir(pid_dir)) if pid_dir.is_dir() else set()
-    with NetnsBed(s.hosts, str(root / "bed")) as bed:
-        runner = Soak(s, root, bed)
-        try:
-            report = runner.run(say)
-        except SoakError as e:
-            report = {"rows": runner.rows, "problems": [f"the soak stopped: {e}"], "steps": runner.steps}
-        namespaces = list(bed.namespaces)
+    finished = False
+    try:
+        with NetnsBed(s.hosts, str(root / "bed")) as bed:
+            runner = Soak(s, root, bed)
+            try:
+                report = runner.run(say)
+            except SoakError as e:
+                report = {"rows": runner.rows, "problems": [f"the soak stopped: {e}"], "steps": runner.steps}
+            namespaces = list(bed.namespaces)
+        finished = True
+    finally:
+        if not finished:  # interrupted (SIGTERM, Ctrl-C): nothing of the unfinished run may stay behind
+            _clean_up(root / "run", pid_dir, pid_files)
     report.update(loss={}, leftovers=[])
     cfg = config_lib.load_config(os.path.join(ROOT, "configs", "tiny.py"), runner.overrides)
     batch = cfg.train.global_batch
@@ -376,6 +381,19 @@ def soak(s: Settings, root: Path, say=print) -> dict:
     report["problems"] += [f"left behind: {x}" for x in report["leftovers"][:20]]
     report["table"] = table(report["rows"])
     return report
+
+
+def _clean_up(wd: Path, pid_dir: Path, pid_files: set[str]) -> None:
+    """After an interrupted soak (the bed closed): the run's snapshot sets, and the pid files of the remote shells
+    the bed's close killed."""
+    token = wd / ".snapshot_run"
+    if token.exists():
+        run_dir = snapstore.default_root() / hashlib.sha256(token.read_text().strip().encode()).hexdigest()[:16]
+        shutil.rmtree(run_dir, ignore_errors=True)
+    if pid_dir.is_dir():
+        for name in set(os.listdir(pid_dir)) - pid_files:
+            with contextlib.suppress(OSError):
+                os.unlink(pid_dir / name)
 
 
 def data_order(cfg):
@@ -400,7 +418,10 @@ def full_disk(pid: int, directory: Path, backing: Path):
     backing.mkdir(parents=True)
     entries = sum(len(d) + len(f) for _, d, f in os.walk(directory)) + 3
     size = sum(p.stat().st_size for p in directory.rglob("*") if p.is_file()) + (4 << 20)
-    ns = ["nsenter", f"--mount=/proc/{pid}/ns/mnt", "--"]
+    # Held open, the namespace outlives the worker (the supervisor kills it long before the undo), and the undo
+    # reaches the same namespace whoever runs in it then.
+    fd = os.open(f"/proc/{pid}/ns/mnt", os.O_RDONLY)
+    ns = ["nsenter", f"--mount=/proc/{os.getpid()}/fd/{fd}", "--"]
     script = (
         f"mount -t tmpfs -o size={size},nr_inodes={entries} tmpfs {backing} && "
         f"(cp -a {directory}/. {backing}/ 2>/dev/null; dd if=/dev/zero of={backing}/.fill bs=64k 2>/dev/null; true) "
@@ -408,14 +429,18 @@ def full_disk(pid: int, directory: Path, backing: Path):
     )
     done = _run([*ns, "sh", "-c", script])
     if done.returncode:
+        os.close(fd)
         shutil.rmtree(backing, ignore_errors=True)
         raise SoakError(f"could not fill the disk of process {pid}: {done.stderr.strip()}")
 
     def undo():
-        # The namespace may be gone with its last process (its mounts with it): then nothing is left to undo.
-        _run([*ns, "sh", "-c", f"umount {directory}; umount {backing}"])
-        with contextlib.suppress(OSError):
-            backing.rmdir()
+        try:
+            done = _run([*ns, "sh", "-c", f"umount {directory} && umount {backing}"])
+        finally:
+            os.close(fd)
+        if done.returncode:
+            raise SoakError(f"could not free the full disk of {directory}: {done.stderr.strip()}")
+        backing.rmdir()
 
     return undo
 
