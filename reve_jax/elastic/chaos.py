@@ -155,8 +155,8 @@ class Soak:
         recs = soakcheck.read_positions(self.wd)
         return [r for r in recs if (attempt is None or r["attempt"] == attempt) and r["time"] > after]
 
-    def last_step(self) -> int:
-        return max((r["step"] for r in self.logged()), default=0)
+    def last_step(self, attempt: int | None = None) -> int:
+        return max((r["step"] for r in self.logged(attempt)), default=0)
 
     def alive(self) -> None:
         if self.launcher is not None and self.launcher.poll() is not None:
@@ -191,7 +191,7 @@ class Soak:
         victim = self.rng.randrange(len(hosts))
         host = hosts[0] if kind == "disk" else hosts[victim]
         pids = self.worker_pids(attempt)
-        row = {"kind": kind, "host": host, "attempt": attempt, "step": self.last_step()}
+        row = {"kind": kind, "host": host, "attempt": attempt, "step": self.last_step(attempt)}
         t = time.time()
         undo = getattr(self, f"_fault_{kind}")(victim, hosts, pids)
         try:
