@@ -17,10 +17,10 @@ import types
 import numpy as np
 import pytest
 
-from reve_jax import builder
 from reve_jax.elastic import auth, fence, peers, snapstore
 from reve_jax.elastic.snapshot import Snapshots
 from reve_jax.elastic.snapstore import HostStore, SetId
+from reve_jax.train import builder
 from tests.util import tiny_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

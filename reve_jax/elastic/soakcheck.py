@@ -78,7 +78,8 @@ def worker_main(argv: list[str]) -> int:
     p.add_argument("--config", required=True)
     p.add_argument("--workdir", required=True)
     args, overrides = p.parse_known_args(argv)
-    from reve_jax import builder, cli, trainer
+    from reve_jax import cli
+    from reve_jax.train import builder, trainer
 
     worker = cli.start_worker()  # first: a standby waits here for its place in a group
     cfg = cli.load_config_or_exit(args.config, overrides)
