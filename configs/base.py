@@ -82,6 +82,11 @@ def get_config() -> ml_collections.ConfigDict:
     d.shapes = ()  # synthetic shapes drawn from (names from circle, square, triangle, diamond, cross); () = all
     d.colors = ()  # synthetic palette for backgrounds and objects (at least 2 of the 8 names); () = all
     d.render = "jitter"  # jitter (each caption a distribution of images) | fixed (one image per caption, as before)
+    # Compositions the training stream never shows (data/synthetic/split.py): this share of the (color, shape) and of
+    # the (shape, cell) pairs, chosen by heldout_seed alone; evaluation scores captions that contain one ("unseen")
+    # beside training-like ones ("seen"). 0 trains on every composition (then only "seen" can be scored).
+    d.heldout_frac = 0.15
+    d.heldout_seed = 0
     d.path = ""  # shards directory (data.name=shards)
     d.worker_threads = 2  # grain read threads per process (each builds whole batches)
     d.worker_processes = 0  # grain worker processes (0: none); for hosts where the GIL-bound decode starves the step

@@ -247,6 +247,8 @@ ADDED_KEYS = {
     "data.min_objects": 1,
     "data.shapes": (),
     "data.colors": (),
+    "data.heldout_frac": 0.0,  # runs before the split trained on every composition
+    "data.heldout_seed": 0,
     "data.stages": (),
     "ema.warmup_power": -1.0,  # a fixed EMA decay from the first step
     "text.frozen_encoder": "",

@@ -180,12 +180,12 @@ class Runner:
 
 
 def _pack_images(workdir: Path, dest: Path, size: Protocol, cfg) -> None:
-    """Every evaluation's images of a run in one .npz (keys step_<n>, and the held-out `index`) for `rescore`."""
-    from reve_jax.metrics import vloss
-
+    """Every evaluation's images of a run in one .npz (keys step_<n>, the evaluation split's `index` and `split`)
+    for `rescore`."""
     images = hook.load_images(workdir)
-    index = vloss.heldout_indices(cfg.data.num_samples, size.n_eval)
-    np.savez_compressed(dest, index=index, **{f"step_{k}": v for k, v in images.items()})
+    split = hook.read_points(Path(workdir) / "eval.jsonl")[-1].get("split", "seen")
+    index = np.arange(size.n_eval, dtype=np.int64)
+    np.savez_compressed(dest, index=index, split=split, **{f"step_{k}": v for k, v in images.items()})
 
 
 def summarize(size: Protocol, runs: list[dict]) -> dict:
@@ -261,8 +261,8 @@ def rescore(out_dir: str | Path, log: Callable[[str], None] = print) -> dict:
         if rec["method"] not in step_flops:
             step_flops[rec["method"]] = executed_step_flops(cfg)
         count_flops(rec, step_flops[rec["method"]])
-        ds = pipeline.dataset_from_config(cfg.data)
         with np.load(npz) as saved:
+            ds = pipeline.eval_dataset(cfg.data, str(saved["split"]))
             scenes = [ds.scene(int(i)) for i in saved["index"]]
             for point in rec["curve"]:
                 point.update(alignment.score(saved[f"step_{point['step']}"], scenes))
