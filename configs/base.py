@@ -149,7 +149,8 @@ def get_config() -> ml_collections.ConfigDict:
     o.b2 = 0.95
     o.eps = 1e-8
     o.weight_decay = 0.0
-    o.schedule = "constant"  # constant | cosine | linear (decay to min_lr_ratio*lr after warm-up)
+    o.schedule = "constant"  # constant | cosine | linear (decay to min_lr_ratio*lr after warm-up) | wsd (below)
+    o.decay_frac = 0.2  # wsd: constant, then a linear decay to min_lr_ratio*lr over this last share of the steps
     o.warmup_steps = 100
     o.min_lr_ratio = 0.0
     o.clip_norm = 1.0  # global gradient norm clip; 0 disables
