@@ -106,6 +106,8 @@ class EvalHook:
             ema = ctx.state["ema"]["ema0"]
             images = self.evaluator.generate(ema)
             point.update(self.evaluator(ema, images=images))
+            # Per caption, the checks behind the alignment scores: the benchmark resamples captions with them.
+            point["checks"] = {a: c.astype(int).tolist() for a, c in self.evaluator.last_checks.items()}
             if ctx.last and self.n_final:
                 final = quality.Evaluator(  # the controls were scored once on the n_eval captions
                     ctx.run.cfg, ctx.run.setup.graphdef, self.n_final, self.seed, mesh=ctx.run.mesh,

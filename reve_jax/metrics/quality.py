@@ -121,6 +121,7 @@ class Evaluator:
             self.dino_fn = frechet.make_dinov2_fn(dinov2_path, dinov2_pool)
             self.dino_stats = frechet.gaussian_stats(self.dino_fn(real))
         self.fixed_metrics: dict[str, float] = {}
+        self.last_checks: dict[str, np.ndarray] = {}  # of the last images scored (image_metrics)
         if with_controls or feature_spec is not None:
             index = self.heldout["index"]  # without the controls only the floor's real images are drawn
             if with_controls:
@@ -174,7 +175,7 @@ class Evaluator:
         samples: dict[str, np.ndarray] = {}
         w = self.counts if intervals and self.counts is not None else None
         if alignment_too:
-            checks = self.checks(images)
+            checks = self.last_checks = self.checks(images)
             out.update(alignment.summarize(checks))
             if w is not None:
                 samples.update(bootstrap.alignment_samples(checks, w))

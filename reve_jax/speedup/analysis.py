@@ -182,3 +182,25 @@ def _bootstrap(by_seed, passing, baseline, metric, steps, higher, sustain, n_boo
             for c, v in per_cost.items():
                 out.setdefault(m, {}).setdefault(c, []).append(math.exp(float(np.mean(v))))
     return {m: {c: np.asarray(v) for c, v in d.items()} for m, d in out.items()}
+
+
+def finals(runs: list[dict], metrics: tuple[str, ...]) -> dict:
+    """Per method and metric: each seed's final value (the mean of its last PLATEAU evaluations, as the target),
+    their mean, and an interval (a bootstrap over seeds from CI_SEEDS seeds, else the range), with "interval"."""
+    out = {}
+    for method in dict.fromkeys(r["method"] for r in runs):
+        rs = [r for r in runs if r["method"] == method and r["curve"]]
+        row = {}
+        for m in metrics:
+            if not rs or not all(m in p for r in rs for p in r["curve"][-PLATEAU:]):
+                continue
+            vals = np.array([plateau([p[m] for p in r["curve"]]) for r in rs])
+            if len(vals) >= CI_SEEDS:
+                draws = vals[np.random.default_rng(0).integers(0, len(vals), (2000, len(vals)))].mean(1)
+                lo, hi = np.percentile(draws, [50 * (1 - LEVEL), 50 * (1 + LEVEL)])
+            else:
+                lo, hi = vals.min(), vals.max()
+            row[m] = {"per_seed": vals.tolist(), "mean": float(vals.mean()), "lo": float(lo), "hi": float(hi),
+                      "interval": "ci" if len(vals) >= CI_SEEDS else "range"}  # fmt: skip
+        out[method] = row
+    return out
