@@ -59,15 +59,17 @@ def machines_line(runs: list[dict]) -> str:
     return line
 
 
-def _interval(center: float, lo: float, hi: float, kind: str, fmt: str = "{:.2f}") -> str:
-    """'2.10 [1.85, 2.40]' for a 95% interval, '2.10 (range 1.85-2.40)' for the range of fewer seeds."""
+def _interval(center: float, lo: float, hi: float, kind: str, fmt: str = "{:.2f}", unit: str = "") -> str:
+    """'2.10x [1.85x, 2.40x]' for a 95% interval, '2.10x (range 1.85x-2.40x)' for the range of fewer seeds."""
     if not math.isfinite(center):
         return "-"
+
+    def f(v):
+        return fmt.format(v) + unit
+
     if lo == hi:
-        return fmt.format(center)
-    if kind == "ci":
-        return f"{fmt.format(center)} [{fmt.format(lo)}, {fmt.format(hi)}]"
-    return f"{fmt.format(center)} (range {fmt.format(lo)}-{fmt.format(hi)})"
+        return f(center)
+    return f"{f(center)} [{f(lo)}, {f(hi)}]" if kind == "ci" else f"{f(center)} (range {f(lo)}-{f(hi)})"
 
 
 SPEEDUP_COSTS = ("step", "flops", "wall_s", "cpu_s")
@@ -96,12 +98,14 @@ def markdown_table(results: dict) -> str:
                   + " |", "|---" * (2 + len(SPEEDUP_COSTS)) + "|"]  # fmt: skip
         for m in _order(rows, baseline):
             r = rows[m]
-            cells = ["<=" * r["upper_bound"] + _interval(*r["speedup"][k], r["interval"]) + "x" for k in SPEEDUP_COSTS]
+            cells = [
+                "<=" * r["upper_bound"] + _interval(*r["speedup"][k], r["interval"], unit="x") for k in SPEEDUP_COSTS
+            ]
             lines.append(f"| {label(m)} | {r['reached']}/{r['seeds']} | " + " | ".join(cells) + " |")
         seeds = [p["seed"] for p in rows[baseline]["per_seed"]] if baseline in rows else []
         lines += [
             "",
-            "Per seed, the speedup in steps (`>` not reached: censored at the budget):",
+            "Per seed, the speedup in steps (`<=`: the target not reached, censored at the full budget):",
             "",
             "| method | " + " | ".join(f"seed {s}" for s in seeds) + " |",
             "|---" * (1 + len(seeds)) + "|",
