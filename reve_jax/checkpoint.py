@@ -7,9 +7,12 @@ raises `CheckpointSaveError` once, with one line naming the path, the cause and 
 nothing (what Orbax prints about the failure by itself is held back: checkpoint_noise.py). On restore a checkpoint
 is moved aside into `<workdir>/checkpoints_corrupt/` (never deleted) only when its files cannot be decoded
 (`is_corruption`); an out-of-memory, timeout or I/O error moves nothing and propagates, and so does a saved tree
-that differs from the state being restored (`check_structure`). `resume` is the trainer's entry point: it never
-starts a workdir with history over at step 0 unless asked (`fresh=True`), and then keeps the old checkpoints
-under `<workdir>/checkpoints_replaced/`.
+that differs from the state being restored (`check_structure`). In a job of several processes each reads only
+its own shards, so they first agree, step by step, through the coordination service: a step is restored only if
+every process restored it, set aside only if some process found it undecodable and none failed otherwise, and
+only then does process 0 move anything (the others wait for it at a barrier named after those steps). `resume`
+is the trainer's entry point: it never starts a workdir with history over at step 0 unless asked (`fresh=True`),
+and then keeps the old checkpoints under `<workdir>/checkpoints_replaced/`.
 
 Restoring onto a different mesh works by passing abstract targets that carry the new shardings.
 
@@ -23,11 +26,14 @@ is done.
 
 from __future__ import annotations
 
+import errno
+import itertools
 import json
 import logging
 import os
 import re
 import shutil
+import stat
 import time
 import zlib
 from pathlib import Path
@@ -193,6 +199,42 @@ def _barrier(name: str, timeout_s: float = BARRIER_TIMEOUT_S):
         multihost_utils.sync_global_devices(name)
 
 
+# Each process makes the same sequence of agreements (restore_latest calls), so the n-th of one is the n-th of all.
+_agreements = itertools.count()
+
+
+def _all_processes(key: str, value: str, timeout_s: float = BARRIER_TIMEOUT_S) -> list[str]:
+    """Every process's `value` for `key` (used once per job), in process order, through the coordination
+    service's key-value store; [value] for one process. Raises CheckpointError when a process does not answer in
+    time (it died: the job must be relaunched)."""
+    if jax.process_count() == 1:
+        return [value]
+    from jax._src.distributed import global_state
+
+    client, me = global_state.client, jax.process_index()
+    if client is None:
+        raise CheckpointError("a restore across processes needs jax.distributed's coordination service")
+    client.key_value_set(f"{key}/{me}", value)
+    try:
+        return [client.blocking_key_value_get(f"{key}/{p}", int(timeout_s * 1000)) for p in range(jax.process_count())]
+    except Exception as e:  # DEADLINE_EXCEEDED, or a peer that left the job
+        raise CheckpointError(
+            f"process {me} waited {timeout_s:.0f}s for every process's answer to {key!r} and not every process "
+            f"answered ({str(e)[:300]}); a peer probably died: relaunch the job"
+        ) from e
+
+
+def _stat_file(path: Path) -> None:
+    """Raises FileNotFoundError when `path` is missing or not a file, and any other OSError (EACCES, EIO) as it
+    is: an environment failure, never taken for damage. Path.is_file() may swallow those (Python 3.14 does)."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path)) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise FileNotFoundError(errno.ENOENT, "Not a regular file", str(path))
+
+
 def _short_cause(exc: BaseException) -> str:
     """The cause of a failed write in a few words: the OS error when there is one, else the first line."""
     for e in _chain(exc):
@@ -221,8 +263,9 @@ class Checkpointer:
         self._open()
 
     def _open(self):
+        # A save that failed (disk full, a process killed) leaves its temporary directory: removed on the next open.
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=self.keep, create=True, enable_async_checkpointing=self.async_save
+            max_to_keep=self.keep, create=True, enable_async_checkpointing=self.async_save, cleanup_tmp_directories=True
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
 
@@ -230,8 +273,7 @@ class Checkpointer:
         # Every process makes the same calls in the same order, so the names agree; the directory's hash keeps
         # two Checkpointers of one job apart (a barrier name is used once).
         self._barriers += 1
-        tag = zlib.crc32(str(self.directory).encode())
-        _barrier(f"reve_jax_checkpoint_{tag:08x}_{what}_{self._barriers}")
+        _barrier(f"reve_jax_checkpoint_{self._tag():08x}_{what}_{self._barriers}")
 
     def steps(self) -> list[int]:
         """Complete checkpoints, oldest first."""
@@ -363,24 +405,32 @@ class Checkpointer:
             self._noise.close()
 
     # ------------------------------------------------------------ Restore
+    # Reads go through Orbax's handlers, not the manager: the manager ends every restore with a barrier across
+    # processes that has no timeout (sync_global_devices), so one process that fails to read its shards would
+    # hang the others there before they could agree on what failed (restore_latest agrees, with a timeout).
     def restore_meta(self, step: int) -> dict:
-        return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        handler = ocp.JsonCheckpointHandler()
+        try:
+            return dict(handler.restore(epath.Path(self.directory / str(step) / "meta")))
+        finally:
+            handler.close()
 
     def restore(self, step: int, abstract_state) -> tuple[object, dict]:
         """Restore checkpoint `step` onto the shardings carried by `abstract_state`; returns (state, meta). Raises
-        whatever Orbax raises for unreadable files (nothing is moved)."""
-        restored = self.manager.restore(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()),
-        )
-        return restored["state"], dict(restored["meta"])
+        whatever Orbax raises for unreadable files (nothing is moved). No barrier between processes."""
+        handler = ocp.StandardCheckpointHandler()
+        try:
+            state_dir = epath.Path(self.directory / str(step) / "state")
+            state = handler.restore(state_dir, args=ocp.args.StandardRestore(abstract_state))
+        finally:
+            handler.close()
+        return state, self.restore_meta(step)
 
     def saved_structure(self, step: int) -> dict[str, tuple[tuple, str]]:
         """{path: (shape, dtype)} of checkpoint `step`'s state, from Orbax's tree metadata (no array is read).
         Raises what reading the metadata raises (FileNotFoundError when the metadata file is missing)."""
         state_dir = self.directory / str(step) / "state"
-        if not (state_dir / "_METADATA").is_file():
-            raise FileNotFoundError(f"{state_dir / '_METADATA'} is missing")
+        _stat_file(state_dir / "_METADATA")
         handler = ocp.StandardCheckpointHandler()
         try:
             return _leaf_specs(handler.metadata(epath.Path(state_dir)))
@@ -405,41 +455,60 @@ class Checkpointer:
 
         A checkpoint whose files cannot be decoded (`is_corruption`) is moved to checkpoints_corrupt/ and the
         previous one is tried; when none is left, CheckpointError says what to do. A structure mismatch raises
-        StructureMismatchError, any other failure CheckpointRestoreError; both move nothing."""
+        StructureMismatchError, any other failure CheckpointRestoreError; both move nothing. Every process of a
+        job reaches the same verdict on every step (module docstring)."""
+        round_ = f"reve_jax_restore_{self._tag():08x}_{next(_agreements)}"
+        mine = self.steps()
+        seen = [set(json.loads(v)) for v in _all_processes(f"{round_}/steps", json.dumps(mine))]
+        steps = sorted(set.intersection(*seen))
+        if steps != mine:
+            log.warning(
+                "steps %s are not complete on every process; restoring from %s", sorted(set(mine) - set(steps)), steps
+            )
         bad = []
-        for step in reversed(self.steps()):
+        for step in reversed(steps):
             self._noise.begin()
+            result, error, verdict = None, None, "ok"
             try:
                 self.check_structure(step, abstract_state)
                 result = self.restore(step, abstract_state)
-            except StructureMismatchError:
-                self._noise.end(ok=False, step=step)
-                raise
             except Exception as e:
-                self._noise.end(ok=False, step=step)
-                if not is_corruption(e):
-                    raise CheckpointRestoreError(
-                        f"checkpoint {step} in {self.directory} could not be restored ({type(e).__name__}: "
-                        f"{str(e)[:500]}). That is not damage to its files, so nothing was moved: fix the cause "
-                        f"(memory, disk, permissions, a slow file system) and relaunch."
-                    ) from e
-                log.warning(
-                    "checkpoint %d in %s cannot be decoded (%s: %s); setting it aside and trying the previous one",
-                    step,
-                    self.directory,
-                    type(e).__name__,
-                    str(e)[:500],
+                error = e
+                verdict = "corrupt" if is_corruption(e) else "error"
+            answers = [json.loads(v) for v in _all_processes(f"{round_}/{step}", json.dumps([verdict, _brief(error)]))]
+            if all(v == "ok" for v, _ in answers):
+                self._noise.end(ok=True)
+                if bad:
+                    self._quarantine(bad)
+                return result
+            self._noise.end(ok=False, step=step)
+            others = [(p, why) for p, (v, why) in enumerate(answers) if v == "error"]
+            if verdict == "error" or others:  # the environment, not the files (here or elsewhere): move nothing
+                if isinstance(error, StructureMismatchError):
+                    raise error
+                where, why = (
+                    ("", _brief(error)) if verdict == "error" else (f" on process {others[0][0]}", others[0][1])
                 )
-                bad.append(step)
-                continue
-            self._noise.end(ok=True)
-            if bad:
-                self._quarantine(bad)
-            return result
+                raise CheckpointRestoreError(
+                    f"checkpoint {step} in {self.directory} could not be restored{where} ({why}). That is not damage "
+                    f"to its files, so nothing was moved: fix the cause (memory, disk, permissions, a slow file "
+                    f"system) and relaunch."
+                ) from error
+            damaged = [p for p, (v, _) in enumerate(answers) if v == "corrupt"]
+            why = next(why for v, why in answers if v == "corrupt")
+            log.warning(
+                "checkpoint %d in %s cannot be decoded (on process(es) %s: %s); setting it aside and trying the "
+                "previous one",
+                step, self.directory, damaged, why,
+            )  # fmt: skip
+            bad.append(step)
         if bad:
             self._quarantine(bad)
             raise CheckpointError(self.nothing_restorable_message())
         return None
+
+    def _tag(self) -> int:
+        return zlib.crc32(str(self.directory).encode())
 
     def nothing_restorable_message(self) -> str:
         n = len(list(self.corrupt_dir.iterdir())) if self.corrupt_dir.is_dir() else 0
@@ -458,7 +527,7 @@ class Checkpointer:
                 src = self.directory / str(step)
                 if src.exists():
                     shutil.move(str(src), str(self.corrupt_dir / f"{step}.{int(time.time())}"))
-        self._sync("quarantine")
+        self._sync("quarantine_" + "_".join(map(str, steps)))  # every process agreed on these steps
         self._open()
 
     def replace_history(self) -> Path | None:
@@ -481,6 +550,10 @@ class Checkpointer:
         self._sync("replace")
         self._open()
         return dest
+
+
+def _brief(exc: BaseException | None) -> str:
+    return "" if exc is None else f"{type(exc).__name__}: {str(exc)[:500]}"
 
 
 def resume(ckpt: Checkpointer, abstract_state, *, fresh: bool = False) -> tuple[object, dict] | None:

@@ -1,7 +1,9 @@
 """Checkpoints: every leaf survives a round trip, a save on 8 devices restores on 4, a corrupt latest checkpoint
 falls back to the previous one, and a crash in the middle of a save leaves the previous one usable."""
 
+import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -141,32 +143,56 @@ CRASH_SCRIPT = textwrap.dedent("""
     small = {"w": jnp.arange(10.0)}
     ckpt.save(1, small, {"data_position": 1})
     ckpt.wait()
-    big = {f"w{i}": jnp.full((1024, 1024), float(i)) for i in range(96)}  # 384 MiB to write
+    keys = jax.random.split(jax.random.key(0), 96)
+    big = {f"w{i}": jax.random.normal(keys[i], (1024, 1024)) for i in range(96)}  # 384 MiB that do not compress
+    jax.block_until_ready(big)
     ckpt.save(2, big, {"data_position": 2})
     print("SAVING", flush=True)
     time.sleep(60)
 """)
+MIB = 2**20
+
+
+def _bytes_under(path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            with contextlib.suppress(OSError):  # a file renamed while we look
+                total += os.path.getsize(os.path.join(root, f))
+    return total
 
 
 def test_crash_during_save_leaves_previous_checkpoint_usable(tmp_path):
+    """SIGKILL while the second save is writing: the kill waits until the save's temporary directory holds some
+    of its 384 MiB, and after the kill that directory is still the temporary one (never committed), with part of
+    the data in it. The previous checkpoint is then the latest and restores."""
     proc = subprocess.Popen(
         [sys.executable, "-c", CRASH_SCRIPT, str(tmp_path)],
         stdout=subprocess.PIPE,
         text=True,
         env=dict(os.environ, PYTHONPATH=os.getcwd(), JAX_PLATFORMS="cpu"),
     )
+    ckpts = tmp_path / "checkpoints"
     try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)
+        assert ready and proc.stdout.readline().strip() == "SAVING", "the subprocess never started its second save"
         deadline = time.time() + 120
         while time.time() < deadline:
-            if proc.stdout.readline().strip() == "SAVING":
+            writing = [p for p in ckpts.iterdir() if p.name.startswith("2.") and "tmp" in p.name]
+            if writing and _bytes_under(writing[0]) > 16 * MIB:
                 break
+            assert not (ckpts / "2").exists(), "the save finished before the kill: make it larger"
+            time.sleep(0.005)
         else:
-            pytest.fail("the saving subprocess never started its second save")
+            pytest.fail("the second save never started writing")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
+    # The kill landed mid-write: the step-2 data is partly on disk, in a directory that was never committed.
+    assert not (ckpts / "2").exists()
+    assert 16 * MIB < _bytes_under(writing[0]) < 384 * MIB, _bytes_under(writing[0]) / MIB
     ckpt = Checkpointer(tmp_path)
     assert ckpt.steps() == [1], "the interrupted save must not count as a complete checkpoint"
     abstract = {

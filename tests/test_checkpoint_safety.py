@@ -183,10 +183,10 @@ def test_an_error_that_is_not_corruption_moves_nothing_and_propagates(tmp_path, 
     before = _files(tmp_path)
     ckpt = Checkpointer(tmp_path)
 
-    def failing_restore(step, args=None):
+    def failing_restore(step, abstract_state):
         raise error
 
-    monkeypatch.setattr(ckpt.manager, "restore", failing_restore)
+    monkeypatch.setattr(ckpt, "restore", failing_restore)
     for call in (lambda: ckpt.restore_latest(_abstract(_state())), lambda: resume(ckpt, _abstract(_state()))):
         with pytest.raises(CheckpointRestoreError, match="not damage to its files, so nothing was moved") as e:
             call()
@@ -600,3 +600,33 @@ def test_the_barrier_between_processes_times_out_instead_of_hanging():
     assert "PASSED" in out0 and "REFUSED after" in out0, out0[-3000:]
     assert "not every process arrived" in out0 and "'one_missing'" in out0
     assert int(out0.split("REFUSED after ")[1].split("s")[0]) < 30
+
+
+def test_a_permission_error_is_not_damage_where_pathlib_would_hide_it(tmp_path, monkeypatch):
+    """Finding 10: the tree metadata's presence was checked with Path.is_file(), which raises EACCES on this
+    Python but returns False on one whose pathlib swallows every OSError (3.14's does): the checkpoint was then
+    "missing its metadata", taken for damaged and moved aside. Here is_file() swallows, and the metadata cannot be
+    read (EACCES): nothing may be moved."""
+    _saved(tmp_path)
+    before = _files(tmp_path)
+    metadata = str(tmp_path / "checkpoints" / "2" / "state" / "_METADATA")
+    real_stat = os.stat
+
+    def stat(path, *a, **kw):
+        if os.fspath(path) == metadata:
+            raise PermissionError(errno.EACCES, "Permission denied", metadata)
+        return real_stat(path, *a, **kw)
+
+    def swallowing_is_file(self):
+        try:
+            return os.path.isfile(self)  # False on any OSError
+        except OSError:
+            return False
+
+    monkeypatch.setattr(os, "stat", stat)
+    monkeypatch.setattr(Path, "is_file", swallowing_is_file)
+    ckpt = Checkpointer(tmp_path)
+    with pytest.raises(CheckpointRestoreError, match="Permission denied.*nothing was moved"):
+        ckpt.restore_latest(_abstract(_state()))
+    monkeypatch.undo()
+    assert _files(tmp_path) == before and not (tmp_path / "checkpoints_corrupt").exists()

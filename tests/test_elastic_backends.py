@@ -4,6 +4,7 @@ runs the remote line here (quoting, pid file, remote kill), SLURM command lines,
 import inspect
 import os
 import stat
+import subprocess
 import sys
 import time
 import typing
@@ -15,9 +16,10 @@ from reve_jax.elastic.launch import config_hints, group_sizes, parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# Drops ssh's options and the host name, then runs the remote command line with bash, here.
+# Drops ssh's options, the end of options and the host name, then runs the remote command line with bash, here.
 FAKE_SSH = """#!/bin/bash
 while [ "$1" = "-o" ]; do shift 2; done
+[ "$1" = "--" ] && shift
 shift
 exec bash -c "$1"
 """
@@ -113,6 +115,48 @@ def test_ssh_kill_reaches_the_remote_process_group(fake_ssh, tmp_path):
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(alive(p) for p in pids)
+
+
+def test_ssh_pid_file_is_private_checked_before_a_kill_and_removed(fake_ssh, tmp_path, monkeypatch):
+    """Finding 9: the pid file sat in the remote /tmp under a name `ps` shows before it was written, so another
+    user could create it first and choose the process group the kill takes; it was never removed. Now it lives in
+    the user's own 0700 directory, the kill takes only a plain pid above 1 from it, and it goes when the worker
+    does."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))  # the stand-in ssh runs the remote line here, with this environment
+    backend = backends.SSHBackend(["nodeA"], remote_dir=ROOT, python=sys.executable, ssh=(fake_ssh,))
+    log = tmp_path / "w.log"
+    proc = backend.start("nodeA", ["python", "-c", "import time; print('up', flush=True); time.sleep(60)"], {}, log)
+    deadline = time.monotonic() + 30
+    while "up" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    remote_line = proc.popen.args[-1]
+    assert "/tmp" not in remote_line and proc.popen.args[-3] == "--"  # and no host name read as an option
+    (pidfile,) = home.rglob("*.pid")
+    assert stat.S_IMODE(pidfile.parent.stat().st_mode) == 0o700 and stat.S_IMODE(pidfile.stat().st_mode) == 0o600
+    pid = int(pidfile.read_text())
+    assert alive(pid)
+    # Whatever the file holds, the kill takes nothing but a plain pid above 1 from it.
+    pidfile.write_text("12abc")
+    refused = subprocess.run(proc._remote_kill, capture_output=True, text=True, timeout=30)
+    assert refused.returncode != 0 and "holds no pid" in refused.stderr and alive(pid)
+    pidfile.write_text(f"{pid}\n")
+    proc.kill()
+    assert wait_exit(proc, 20) != 0
+    deadline = time.monotonic() + 10
+    while (alive(pid) or pidfile.exists()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive(pid) and not pidfile.exists()
+    # A worker that ends by itself removes its pid file too.
+    done = backend.start("nodeA", ["python", "-c", "pass"], {}, tmp_path / "d.log")
+    assert wait_exit(done) == 0 and not list(home.rglob("*.pid"))
+
+
+def test_a_host_name_that_ssh_would_read_as_an_option_is_refused():
+    for bad in ("-oProxyCommand=touch /tmp/x", "", "node 1"):
+        with pytest.raises(ValueError, match="host name"):
+            backends.SSHBackend(["n1", bad], remote_dir="/src")
 
 
 def test_ssh_coordinator_port_changes_per_attempt():

@@ -174,20 +174,18 @@ def slurm(tmp_path):
 
 
 def test_slurm_job_loses_a_node_and_continues(tmp_path, slurm):
-    """The launcher runs inside a 3-node allocation (sbatch), one srun step per node; node 1's worker is killed
-    and the run finishes on nodes 0 and 2."""
+    """The user's sbatch script (scripts/slurm/train.sbatch), submitted as it is on 3 nodes: the launcher runs one
+    srun step per node; node 1's worker is killed and the run finishes on nodes 0 and 2."""
     bed, cluster = slurm
     wd = str(tmp_path / "run")
     n0, n1, n2 = bed.namespaces
-    launch = [
-        sys.executable, os.path.join(ROOT, "scripts", "launch.py"), "--slurm", "--config", "configs/tiny.py",
-        "--workdir", wd, "--script", FAKE, "--python", sys.executable, "--devices-per-host", "2", "--no-readmit",
-        *FAST, "--worker-arg=--fake.step_time=0.1", "--config.train.steps=60", "--config.train.ckpt_every=5",
+    args = [
+        "--workdir", wd, "--script", FAKE, "--devices-per-host", "2", "--no-readmit", *FAST,
+        "--worker-arg=--fake.step_time=0.1", "--config.train.steps=60", "--config.train.ckpt_every=5",
     ]  # fmt: skip
-    script = tmp_path / "job.sh"
-    script.write_text(f"#!/bin/bash\ncd {ROOT}\nexec {' '.join(launch)}\n")
     output = str(tmp_path / "job.out")
-    job = cluster.sbatch(str(script), nodes=3, output=output)
+    script = os.path.join(ROOT, "scripts", "slurm", "train.sbatch")
+    job = cluster.sbatch(script, nodes=3, output=output, args=args, cwd=ROOT, env={"PYTHON": sys.executable})
     try:
         wait_until(lambda: last_metric_step(wd) >= 10, 90, "step 10")
         t_kill = time.time()

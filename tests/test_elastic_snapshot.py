@@ -7,7 +7,6 @@ Processes are emulated on the 8 CPU devices (device id // 2 = process). The mult
 exchange, pushes to the ring successor, fetches from peers) runs in tests/test_elastic_e2e.py.
 """
 
-import json
 import types
 from collections import Counter
 
@@ -120,7 +119,7 @@ def _set(store: HostStore, sid: SetId, arrays):
 
 def test_sets_travel_between_hosts_only_with_the_runs_key_and_group(tmp_path):
     secret = auth.new_secret()
-    a, b = HostStore(tmp_path / "a"), HostStore(tmp_path / "b")
+    a, b = HostStore(tmp_path / "a", b"m" * 32), HostStore(tmp_path / "b", b"m" * 32)
     arrays = [np.arange(6, dtype=np.float32), np.array([7], dtype=np.int32)]
     sid = SetId(step=5, attempt=2, owner=0, n=2)
     _set(a, sid, arrays)
@@ -129,7 +128,9 @@ def test_sets_travel_between_hosts_only_with_the_runs_key_and_group(tmp_path):
     try:
         peers.push(server.address, secret, a, sid)
         assert b.sets() == [sid]
-        manifest = json.loads(peers.call(server.address, secret, {"op": "manifest", "attempt": 2, "set": sid.name}))
+        manifest = b.parse_manifest(
+            peers.call(server.address, secret, {"op": "manifest", "attempt": 2, "set": sid.name})
+        )
         data = peers.call(server.address, secret, {"op": "fetch", "attempt": 2, "set": sid.name, "pieces": [1]})
         assert np.frombuffer(data, np.int32).tolist() == [7] and len(manifest["pieces"]) == 2
         # A stale group, a wrong key, a replayed (older) push and a short one are all refused.

@@ -97,3 +97,32 @@ def test_standby_process_waits_for_its_assignment():
         server.close()
     assert out.decode().split() == ["assigned", "4", "1", "False"], err.decode()
     assert b"cannot import no_such_module_here" in err
+
+
+def test_a_standby_the_pool_dropped_is_retired_and_exits():
+    """Found by the chaos soak: a standby on a host cut off the network loses its ssh (the local process exits
+    255) while it runs on, cut off; the pool forgot it, so nobody killed it, and once the link was back it beat
+    again and lived on. Now the pool hands back what it drops (to be killed), and the channel tells a dropped
+    standby to go: it exits at its next beat."""
+    pool = standby.StandbyPool(lambda *a: FakeProc(), ["python", "w.py"], {}, "/tmp/logs")
+    pool.ensure(["a"])
+    lost = pool.by_host["a"]
+    lost.proc.code = 255
+    assert pool.poll() == [lost] and lost.proc.killed and pool.by_host == {}
+    server = HeartbeatServer(bind="127.0.0.1").start()
+    env = dict(
+        os.environ, REVE_HEARTBEAT=f"127.0.0.1:{server.port}", REVE_SECRET=server.secret.hex(), REVE_HOST="a",
+        REVE_STANDBY=lost.token, REVE_STANDBY_IMPORTS="json",
+    )  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-c", CHILD], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not any(m.get("standby") == lost.token for _, m in server.drain()):
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.02)
+        server.retire(lost.token)
+        out, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+        server.close()
+    assert proc.returncode == 0 and out == b"" and b"retired" in err, (out, err)

@@ -15,13 +15,16 @@ from reve_jax.latent import autoencoder
 from reve_jax.latent import training as latent_training
 from reve_jax.train import builder, sampling, trainer
 
-AE = ("latent.channels=4", "latent.downsample=2", "latent.width=8", "latent.train_steps=30", "latent.train_batch=16")
+AE = ("latent.channels=4", "latent.downsample=2", "latent.width=8", "latent.train_batch=16")
+# Enough training for the reconstructions to carry the objects, not only the background (measured 1,500 steps at
+# 4e-3: PSNR 28 dB, against 21 dB for each image's flat background colour and 9 dB untrained).
+TRAINED = ("latent.train_steps=1500", "latent.train_lr=4e-3")
 
 
 @pytest.fixture(scope="module")
 def ae_file(tmp_path_factory):
-    cfg = tiny_config(*AE)
-    model, info = latent_training.train(cfg, log_every=0)
+    cfg = tiny_config(*AE, *TRAINED)
+    model, info = latent_training.train(cfg)
     path = autoencoder.save(model, tmp_path_factory.mktemp("ae") / "ae.npz", info)
     return str(path), model
 
@@ -30,16 +33,49 @@ def test_autoencoder_round_trip_and_normalised_latents(ae_file):
     path, model = ae_file
     loaded, meta = autoencoder.load(path)
     assert meta["config"] == {"channels": 4, "downsample": 2, "width": 8, "res_blocks": 0}
-    assert meta["info"]["steps"] == 30
+    assert meta["info"]["steps"] == 1500
     for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(loaded)), strict=True):
         np.testing.assert_array_equal(a, b)
     cfg = tiny_config(*AE)
-    x = next(latent_training._batches(cfg, 64, 10**6))  # the images the statistics were measured on
+    batches = latent_training._batches(cfg, 64, 10**6)
+    x = np.concatenate([next(batches) for _ in range(16)])  # the images the statistics were measured on
     z = np.asarray(loaded.encode(x))
-    assert z.shape == (64, 8, 8, 4)
-    np.testing.assert_allclose(z.reshape(-1, 4).mean(0), 0.0, atol=0.05)
-    np.testing.assert_allclose(z.reshape(-1, 4).std(0), 1.0, atol=0.05)
-    assert loaded.decode(z).shape == (64, 16, 16, 3)
+    assert z.shape == (1024, 8, 8, 4)
+    np.testing.assert_allclose(z.reshape(-1, 4).mean(0), 0.0, atol=1e-3)
+    np.testing.assert_allclose(z.reshape(-1, 4).std(0), 1.0, atol=1e-3)
+    assert loaded.decode(z[:2]).shape == (2, 16, 16, 3)
+
+
+def _psnr(a, b):
+    return 10 * np.log10(4.0 / np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2))
+
+
+def test_reconstructions_of_held_out_images_carry_the_objects(ae_file):
+    """docs/latent.md: the autoencoder reconstructs its data's images, the caption reader reads the reconstructions,
+    and the decoder tolerates noise on the latents (it was trained on noisy ones). On held-out images the error is
+    far below each image's flat background colour's (which an autoencoder that learned only the backgrounds would
+    match), so the objects come through; the check stored in the file measures the same."""
+    from reve_jax.data import pipeline
+    from reve_jax.data.synthetic import alignment
+    from reve_jax.metrics import vloss
+
+    _, model = ae_file
+    cfg = tiny_config(*AE, *TRAINED)
+    ds = pipeline.dataset_from_config(cfg.data)
+    idx = vloss.heldout_indices(ds.num_samples, 64)  # never in the training stream's first 24,000 samples
+    real = np.stack([ds[int(i)]["image"] for i in idx]).astype(np.float32) / 127.5 - 1
+    z = np.asarray(model.encode(real))
+    recon = np.clip(np.asarray(model.decode(z)), -1, 1)
+    flat = np.median(real.reshape(len(real), -1, 3), axis=1)[:, None, None, :]  # the background colour
+    assert _psnr(recon, real) > _psnr(flat, real) + 4, (_psnr(recon, real), _psnr(flat, real))
+    noisy = np.clip(np.asarray(model.decode(z + 0.1 * np.random.default_rng(0).standard_normal(z.shape))), -1, 1)
+    assert _psnr(noisy, real) > _psnr(flat, real) + 2, (_psnr(noisy, real), _psnr(flat, real))
+    scenes = [ds.scene(int(i)) for i in idx]
+    read = alignment.score(recon, scenes)
+    assert read["align_background"] == 1.0 and read["align_overall"] > 0.4, read
+    check = latent_training.check_reconstructions(cfg, model, 64)
+    assert check["psnr"] == pytest.approx(_psnr(recon, real), abs=0.01)
+    assert check["align_real"] == 1.0 and check["align_recon"] == read["align_overall"]
 
 
 @pytest.mark.parametrize("res_blocks", [0, 2])
@@ -122,7 +158,7 @@ def test_one_autoencoder_per_dataset_whatever_the_runs_seeds():
         tiny_config(*AE, "data.colors=('red','green','white')")
     )
     short = ("latent.train_steps=3", "latent.train_batch=4")
-    ma, _ = latent_training.train(tiny_config(*AE, *short, "seed=1", "data.seed=1"), log_every=0)
-    mb, _ = latent_training.train(tiny_config(*AE, *short, "seed=2", "data.seed=5"), log_every=0)
+    ma, _ = latent_training.train(tiny_config(*AE, *short, "seed=1", "data.seed=1"))
+    mb, _ = latent_training.train(tiny_config(*AE, *short, "seed=2", "data.seed=5"))
     for x, y in zip(jax.tree.leaves(nnx.state(ma)), jax.tree.leaves(nnx.state(mb)), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

@@ -11,7 +11,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from configs.base import get_config
-from reve_jax import optim
+from reve_jax import optim, treepath
 from reve_jax.config import load_config
 
 W, H, T, PATCH, VOCAB = 32, 64, 16, 48, 50  # model width, MLP hidden, text width, p*p*3, vocab
@@ -70,7 +70,7 @@ N_LEAVES = 2 * 17 + 3 + 4 + 17 + 2 + 5  # blocks, patch_embed, time_embed, text_
 
 
 def flat(tree):
-    return {optim._path_str(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return {treepath.to_str(p): v for p, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 def random_like(shapes, seed, scale=1.0):

@@ -14,6 +14,11 @@ from reve_jax.train import builder, train_state
 
 def _shrunk(spec: str):
     full = load_config(spec)
+    return full, tiny_config(*_overrides(full), base=spec)
+
+
+def _overrides(full) -> list[str]:
+    """A recipe config shrunk to test size, its switches kept."""
     patch = full.model.patch
     overrides = [
         "model.width=32",
@@ -27,18 +32,43 @@ def _shrunk(spec: str):
     ]
     if full.model.arch == "ddt":
         overrides += ["model.ddt.enc_width=32", "model.ddt.enc_heads=2", "model.ddt.enc_depth=1"]
-    return full, tiny_config(*overrides, base=spec)
+    return overrides
 
 
-def _train_steps(cfg, n=2):
+def _train_steps(cfg, n=3):
     run = builder.build(cfg)
     state = run.init_state()
+    init = jax.device_get(state["params"])  # before the donated state is consumed
     batches = run.batches(0)
     out = []
     for _ in range(n):
         state, m = run.step(state, next(batches))
         out.append(jax.device_get(m))
-    return run.setup, state, out
+    return run, init, state, out
+
+
+def _swiglu_hidden(width, ratio, multiple):
+    """The SwiGLU hidden size as docs/recipe.md states it: round(ratio * width * 2/3), up to a multiple."""
+    return -(-round(ratio * width * 2 / 3) // multiple) * multiple
+
+
+def _block_matmul_flops(tokens, width, hidden):
+    """One transformer block's forward matmuls over `tokens` tokens, 2 FLOPs per multiply-add: the q, k, v and
+    output projections, the attention scores and their weighted sum, and SwiGLU's three projections."""
+    return 2 * tokens * 4 * width * width + 2 * 2 * tokens * tokens * width + 2 * tokens * 3 * width * hidden
+
+
+def _routed_saving(cfg):
+    """FLOPs per train step that TREAD saves: the routed blocks run on the kept image tokens instead of all of
+    them (text and DDT plan tokens ride along in both), forward and backward (3x the forward's matmuls)."""
+    m = cfg.model
+    n = (cfg.data.image_size // m.patch) ** 2
+    keep = round(n * m.route.keep_ratio)
+    context = cfg.text.max_len + ((cfg.data.image_size // m.ddt.enc_patch) ** 2 if m.arch == "ddt" else 0)
+    end = m.route.end if m.route.end >= 0 else m.depth + m.route.end
+    hidden = _swiglu_hidden(m.width, m.mlp_ratio, m.mlp_multiple_of)
+    per_block = _block_matmul_flops(n + context, m.width, hidden) - _block_matmul_flops(keep + context, m.width, hidden)
+    return 3 * cfg.train.global_batch * (end - m.route.start) * per_block
 
 
 RECIPES = [
@@ -56,11 +86,29 @@ RECIPES = [
 def test_every_recipe_config_trains_on_8_devices(spec):
     full, cfg = _shrunk(spec)
     assert jax.device_count() == 8
-    setup, state, metrics = _train_steps(cfg)
-    assert int(state["step"]) == 2
+    run, init, state, metrics = _train_steps(cfg)
+    assert int(state["step"]) == 3
     assert all(np.isfinite(m["loss"]) and m["grad_norm"] > 0 for m in metrics)
-    labels = set(jax.tree.leaves(setup.param_labels))
+    labels = set(jax.tree.leaves(run.setup.param_labels))
     assert labels == ({"muon", "adamw"} if full.optim.name == "muon" else {"adamw"})
+    # The bottleneck patch embedding (pixels -> rank r -> width) is in the model and trains; without it, one
+    # linear map.
+    params = jax.device_get(state["params"])
+    embeds = [
+        (jax.tree_util.keystr(path), x)
+        for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
+        if "patch_embed" in jax.tree_util.keystr(path) and "kernel" in jax.tree_util.keystr(path)
+    ]
+    ranks = {x.shape[1] for path, x in embeds if "proj_in" in path}
+    assert ranks == ({cfg.model.bottleneck} if full.model.bottleneck else set()), [(p, x.shape) for p, x in embeds]
+    before = {jax.tree_util.keystr(path): x for path, x in jax.tree_util.tree_flatten_with_path(init)[0]}
+    assert embeds and all(not np.array_equal(x, before[path]) for path, x in embeds), "the patch embedding is frozen"
+    # TREAD routes in the step: XLA counts fewer FLOPs in the routed step than in the same step unrouted, by the
+    # routed blocks' matmuls at the kept token count (the elementwise work of the routed tokens adds about 6%).
+    if full.model.route.enabled:
+        unrouted = tiny_config(*_overrides(full), "model.route.enabled=False", base=spec)
+        saved = builder.lowered_flops(builder.build(unrouted).lower()) - run.compile().executed_flops
+        assert 1.0 < saved / _routed_saving(cfg) < 1.15, (saved, _routed_saving(cfg))
     if full.model.arch == "ddt":
         m = metrics[-1]
         assert m["loss_enc"] > 0 and m["loss_fm"] > 0
@@ -135,7 +183,11 @@ def test_tread_flops_count_routed_blocks_at_their_token_count():
         "configs/jit_b16.py",
         ["--config.model.route.enabled=True", "--config.model.route.start=2", "--config.model.route.end=10"],
     )
-    n, text, d = 256, off.text.max_len, off.model.width
-    h = flops.swiglu_hidden(d, off.model.mlp_ratio, off.model.mlp_multiple_of)
-    saved = 8 * (flops.block_flops(n + text, d, h) - flops.block_flops(128 + text, d, h))
-    np.testing.assert_allclose(flops.forward_flops_per_image(off) - flops.forward_flops_per_image(on), saved)
+    assert (off.model.width, off.model.mlp_ratio, off.model.mlp_multiple_of, off.text.max_len) == (768, 4.0, 16, 32)
+    # JiT-B/16 at 256 px: 256 image tokens and 32 text tokens, width 768, SwiGLU hidden 2048 (4 * 768 * 2/3).
+    # Blocks 2..9 (8 of them) run on 128 image tokens instead of 256: per block the projections save
+    # 2 * 128 * (4 * 768^2 + 3 * 768 * 2048), attention 4 * 768 * (288^2 - 160^2).
+    per_block = 2 * 128 * (4 * 768**2 + 3 * 768 * 2048) + 4 * 768 * (288**2 - 160**2)
+    saved = flops.forward_flops_per_image(off) - flops.forward_flops_per_image(on)
+    assert saved == 8 * per_block
+    assert flops.forward_flops_per_image(on, routed=False) == flops.forward_flops_per_image(off)  # evaluation

@@ -124,3 +124,28 @@ def test_recovery_mechanisms_cut_their_losses_and_keep_the_accounting_exact():
     best = results["+ fast_restart + snapshots"]
     assert best.goodput > max(before.goodput, snap.goodput, fast.goodput)
     assert "snapshot" in report.format_comparison(results) and "restores" in report.format_mechanisms(results)
+
+
+def test_no_flags_simulate_the_launchers_defaults_at_98_percent():
+    """scripts/simulate_cluster.py with no flags is scripts/launch.py as it runs by default: its parser's timeouts
+    and strikes, its MTBF guess, the fast restart and in-memory snapshots at its snapshot cadence. On 10,000 GPUs
+    for 30 days that keeps >= 98% of the GPU time productive (issue 46's goal)."""
+    from reve_jax.elastic import launch
+
+    script = load_script("simulate_cluster")
+    c, policy, mechanisms = script.settings(script.make_parser().parse_args([]))
+    args, overrides = launch.parse_args(["--config", "configs/tiny.py", "--workdir", "w", "--hosts", "4"])
+    assert policy == "isolate" and c.hosts * c.gpus_per_host == 10_000 and c.days == 30
+    for field in ("heartbeat_timeout", "progress_timeout", "startup_timeout", "stop_timeout", "probe_interval"):
+        assert getattr(c, field) == getattr(args, field), field
+    assert c.max_strikes == args.max_strikes
+    assert cluster.policy_config(c, policy).host_mtbf_s == pytest.approx(args.host_mtbf_h * 3600)
+    # The launcher turns on the fast restart (standbys, compile-ahead) and snapshots; the simulator does too.
+    assert not (args.no_precompile or args.no_standby or args.no_fast_recovery or args.no_snapshots)
+    assert launch.snapshot_override(args, overrides) == [f"--config.elastic.snapshot_every={c.snapshot_every}"]
+    assert sorted(mechanisms) == sorted(launch.DEFAULT_MECHANISMS) == ["fast_restart", "snapshots"]
+    fast = cluster.with_mechanisms(cluster.ClusterConfig(), ["fast_restart"])
+    assert (c.spawn_s, c.restart_s, c.first_step_s) == (fast.spawn_s, fast.restart_s, fast.first_step_s)
+    r = sim.simulate(c, policy)
+    print(f"goodput by default: {r.goodput:.2%}")
+    assert r.goodput >= 0.98 and r.restores["peers"] > r.restores["disk"]

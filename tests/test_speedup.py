@@ -4,6 +4,7 @@ end to end as a resumable trainer run with the evaluation hook."""
 import dataclasses
 import json
 import os
+import re
 import signal
 import time
 
@@ -108,9 +109,29 @@ def test_report_gate_table_and_plot(tmp_path):
     report.write_outputs(results, tmp_path)
     md = (tmp_path / "speedup.md").read_text()
     assert "Validity gate passed" in md and "JIT-DDT recipe" in md
-    # recipe: seed 0 target 0.6 -> crossing at 150 (0.5 -> 0.7), seed 1 target 0.6 -> 100 + 100 * 0.2/0.3.
+    # The recipe's crossings of its seed's baseline final value (0.6 on both seeds), held for two evaluations:
+    # seed 0 (0.5, 0.7, ...) between steps 100 and 200 at (0.6 - 0.5) / 0.2 -> step 150; seed 1 (0.4, 0.7, ...)
+    # at (0.6 - 0.4) / 0.3 -> step 166.7. Every cost of _curve is linear in steps: samples 8/step, FLOPs 8e9/step,
+    # wall 2 s/step (the recipe's step_s), CPU 4 s/step; the baseline's budget is its step 400.
+    steps = np.array([150.0, 100 + 100 * 0.2 / 0.3])
+    cost = {"steps": steps, "samples": 8 * steps, "TFLOP": 8e9 * steps / 1e12, "wall": 2 * steps, "CPU": 4 * steps}
+    budget = {"steps": 400.0, "wall": 400.0, "CPU": 800.0}  # the baseline's (step_s 1)
+    per_seed = results["summary"]["paired"]["align_overall"]["recipe"]["per_seed"]
+    np.testing.assert_allclose([p["cost"]["step"] for p in per_seed], steps, rtol=1e-12)
+    np.testing.assert_allclose([p["cost"]["wall_s"] for p in per_seed], cost["wall"], rtol=1e-12)
+    # The row: mean [lowest, highest] over the two seeds (a 95% bootstrap interval over two values spans them),
+    # then the speedups' geometric means; each number as printed (0 or 2 decimals; TFLOP 1).
     row = next(ln for ln in md.splitlines() if ln.startswith("| JIT-DDT recipe | 2/2"))
-    assert "x" in row
+    cells = [c.strip() for c in row.strip("|").split("|")][2:]
+    expected = [cost[k] for k in ("steps", "samples", "TFLOP", "wall", "CPU")]
+    expected += [budget[k] / cost[k] for k in ("steps", "wall", "CPU")]
+    assert len(cells) == len(expected) == 8
+    for i, (cell, values) in enumerate(zip(cells, expected, strict=True)):
+        mean = np.exp(np.log(values).mean()) if i >= 5 else values.mean()
+        got = [float(v) for v in re.findall(r"[0-9.]+", cell.rstrip("x"))]
+        decimals = 2 if i >= 5 else 1 if i == 2 else 0
+        np.testing.assert_allclose(got, [mean, values.min(), values.max()], atol=0.5 * 10**-decimals, err_msg=cell)
+        assert cell.endswith("x") == (i >= 5), cell
     assert (tmp_path / "speedup.png").stat().st_size > 10_000
     flat = [dict(r, curve=_curve([0.3, 0.3, 0.35, 0.4])) if r["method"] == "latent" else r for r in runs]
     md = report.markdown_table({"size": dataclasses.asdict(size), "runs": flat,

@@ -59,5 +59,19 @@ def test_loss_plot_from_jsonl_and_list(tmp_path):
 
 def test_ema_smooth():
     np.testing.assert_allclose(viz.ema_smooth(np.full(5, 2.0), 0.9), 2.0)
-    out = viz.ema_smooth(np.array([1.0, np.nan, 1.0]), 0.5)
-    np.testing.assert_allclose(out, 1.0)
+    # By hand, weight 0.5: (0.5 * 0.5 * 1 + 0.5 * 3) / (0.5 * 0.5 + 0.5) = 7/3; a non-finite value is skipped (its
+    # place repeats the last average) and a leading one has no average yet.
+    out = viz.ema_smooth(np.array([np.nan, 1.0, np.nan, 3.0, np.inf]), 0.5)
+    np.testing.assert_allclose(out, [np.nan, 1.0, 1.0, 7 / 3, 7 / 3])
+    # Against the closed form on a noisy ramp: the bias-corrected average of the finite values so far, value j
+    # weighted w^(number of finite values after it).
+    rng = np.random.default_rng(0)
+    values = np.linspace(0, 5, 40) + rng.standard_normal(40)
+    values[[3, 17, 18]] = np.nan
+    w = 0.8
+    expected = []
+    for i in range(len(values)):
+        seen = values[: i + 1][np.isfinite(values[: i + 1])]
+        weights = w ** np.arange(len(seen))[::-1]
+        expected.append(np.sum(weights * seen) / np.sum(weights))
+    np.testing.assert_allclose(viz.ema_smooth(values, w), expected, rtol=1e-12)

@@ -31,14 +31,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_quietly(argv: list[str], timeout: float = 15.0) -> None:
-    """Runs a best-effort helper command (remote kill) in a thread so the supervisor never waits on it."""
+def _run_quietly(argv: list[str], timeout: float = 15.0) -> threading.Thread:
+    """Runs a best-effort helper command (remote kill) in a thread so the supervisor's loop never waits on it;
+    returns the thread (joined on the way out, so that the remote side is cleaned up before the launcher exits)."""
 
     def go():
         with contextlib.suppress(OSError, subprocess.SubprocessError):
             subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=timeout)
 
-    threading.Thread(target=go, daemon=True).start()
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    return thread
 
 
 class Proc:
@@ -48,6 +51,7 @@ class Proc:
     def __init__(self, popen: subprocess.Popen, log, remote_kill: list[str] | None = None):
         self.popen, self._log, self._remote_kill = popen, log, remote_kill
         self.pid = popen.pid
+        self.killing: threading.Thread | None = None  # the remote kill, while it runs
 
     def poll(self) -> int | None:
         code = self.popen.poll()
@@ -58,7 +62,7 @@ class Proc:
 
     def kill(self) -> None:
         if self._remote_kill:
-            _run_quietly(self._remote_kill)
+            self.killing = _run_quietly(self._remote_kill)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.popen.pid, signal.SIGKILL)
 
@@ -202,12 +206,34 @@ class LocalBackend:
         return self.start(host, ["python", "-m", PROBE_MODULE], env, log_path)
 
 
+# The remote pid files live in a directory of the remote user's own, never in the shared /tmp: a name there is
+# visible in `ps` before the file is written, and another user who creates it first would choose the process group
+# the kill takes. The shell checks the directory is a real directory of this user (mode 0700 by the umask).
+_PID_DIR = '"$HOME/.cache/reve_jax/pids"'
+_PRIVATE_PID_DIR = (
+    f'umask 077; d={_PID_DIR}; mkdir -p "$d" && [ -d "$d" ] && [ ! -L "$d" ] && [ -O "$d" ] && chmod 700 "$d" '
+    '|| { echo "reve_jax: $d is not a private directory of this user" >&2; exit 97; }'
+)
+
+
+def check_host_name(host: str) -> str:
+    """Returns `host` if ssh can only read it as a host name: not empty, not starting with "-" (an option, e.g.
+    -oProxyCommand=...), no whitespace or control characters; raises ValueError saying which name is wrong."""
+    if not host or host.startswith("-") or any(c.isspace() or not c.isprintable() for c in host):
+        raise ValueError(
+            f"host name {host!r} is not usable: names must not be empty, start with '-' (ssh would read an "
+            "option) or contain spaces; give hosts as they resolve (node1, 10.0.0.5)"
+        )
+    return host
+
+
 class SSHBackend:
     """One process per host through `ssh host`, run from `remote_dir` there (the same checkout on every host).
 
-    The remote process runs in its own session and writes its id to a pid file, so `kill()` can SIGKILL its
-    whole process group over a second ssh connection; ServerAlive options make the local ssh exit (code 255)
-    when a host stops answering."""
+    The remote process runs in its own session and writes its id to a pid file in a directory of the remote
+    user's own (`~/.cache/reve_jax/pids`, 0700), so `kill()` can SIGKILL its whole process group over a second
+    ssh connection; the file goes when the process ends or is killed. ServerAlive options make the local ssh exit
+    (code 255) when a host stops answering. Host names go to ssh after `--` and are checked (`check_host_name`)."""
 
     name = "ssh"
 
@@ -220,7 +246,7 @@ class SSHBackend:
         advertise: str = "",
         ssh: tuple[str, ...] = ("ssh",),
     ):
-        self.hosts = list(hosts)
+        self.hosts = [check_host_name(h) for h in hosts]
         self.remote_dir, self.python, self.base_port = remote_dir, python, base_port
         self.advertise = advertise
         self.ssh = list(ssh) + [
@@ -244,26 +270,41 @@ class SSHBackend:
     def heartbeat_bind(self) -> str:
         return socket.gethostbyname(self.advertise) if self.advertise else facing_address(self.hosts)
 
-    def remote_command(self, argv: list[str], env: dict, pidfile: str, read_secret: bool = False) -> str:
-        """Returns the shell line run on the remote host: start `argv` with `env` in its own session, record
-        its pid in `pidfile`, and exit with its exit code. With `read_secret`, the first line of stdin
-        becomes the worker's REVE_SECRET."""
+    def remote_command(self, argv: list[str], env: dict, pid_name: str, read_secret: bool = False) -> str:
+        """Returns the shell line run on the remote host: start `argv` with `env` in its own session, record its
+        pid in the private pid file `pid_name`, and exit with its exit code once it is gone (removing the file).
+        With `read_secret`, the first line of stdin becomes the worker's REVE_SECRET."""
         argv = [self.python if a == "python" else a for a in argv]
         assigns = " ".join(f"{k}={shlex.quote(str(v))}" for k, v in env.items())
         cmd = " ".join(shlex.quote(a) for a in argv)
         secret = f"{_READ_SECRET}; " if read_secret else ""
+        pf = f'"$d"/{shlex.quote(pid_name)}'
+        # The file goes however the shell ends: the worker's exit, or the session cut (SIGHUP when ssh is killed).
         return (
+            f"{_PRIVATE_PID_DIR}; trap 'rm -f -- {pf}' EXIT; trap 'exit 129' HUP TERM; "
             f"cd {shlex.quote(self.remote_dir)} && {{ {secret}env {assigns} setsid {cmd} & "
-            f"echo $! > {shlex.quote(pidfile)}; wait $!; }}"
+            f"echo $! > {pf}; wait $!; }}"
+        )
+
+    @staticmethod
+    def kill_command(pid_name: str) -> str:
+        """The remote line that SIGKILLs the process group named in pid file `pid_name`: only a plain number
+        above 1 is taken from it (-1 would be every process of the user, 0 the shell's own group)."""
+        pf = f'"$d"/{shlex.quote(pid_name)}'
+        return (
+            f"d={_PID_DIR}; p=$(cat -- {pf} 2>/dev/null); "
+            f'case "$p" in ""|*[!0-9]*) echo "reve_jax: pid file {pid_name} holds no pid" >&2; exit 1;; esac; '
+            f'[ "$p" -gt 1 ] || {{ echo "reve_jax: pid file {pid_name} holds pid $p" >&2; exit 1; }}; '
+            f'kill -9 -- "-$p"; rm -f -- {pf}'
         )
 
     def start(self, host: str, argv: list[str], env: dict, log_path: str) -> Proc:
         env = dict(env)
         secret = env.pop(auth.SECRET_ENV, None)  # through ssh's stdin, never on the command line
-        pidfile = f"/tmp/reve-{uuid.uuid4().hex[:12]}.pid"
-        line = self.remote_command(argv, env, pidfile, read_secret=secret is not None)
-        kill = self.ssh + [host, f"kill -9 -- -$(cat {shlex.quote(pidfile)}) ; rm -f {shlex.quote(pidfile)}"]
-        return spawn(self.ssh + [host, line], dict(os.environ), log_path, None, kill, stdin_line=secret)
+        pid_name = f"{uuid.uuid4().hex}.pid"
+        line = self.remote_command(argv, env, pid_name, read_secret=secret is not None)
+        kill = self.ssh + ["--", host, self.kill_command(pid_name)]
+        return spawn(self.ssh + ["--", host, line], dict(os.environ), log_path, None, kill, stdin_line=secret)
 
     def probe(self, host: str, env: dict, log_path: str) -> Proc:
         return self.start(host, ["python", "-m", PROBE_MODULE], env, log_path)

@@ -5,9 +5,11 @@ while a collective hangs, and a beat carries what the policy needs: the step, th
 and where the main thread is. Beats are sent by a background thread, so a main thread stuck in a collective
 stops the step from advancing while the beats go on: "alive, no progress" and "gone" stay apart.
 
-Only the run's processes get in: every line carries an HMAC under the run's secret and a fresh counter; lines
-without one, replays and lines longer than auth.MAX_LINE are dropped (the connection closed) and counted for
-events.jsonl. The server listens on the one address the workers use (127.0.0.1 for local runs).
+Only the run's processes get in: every line carries an HMAC under a key derived from the run's secret (one key
+for beats, another for replies) and a fresh counter; lines without one, replays and lines longer than
+auth.MAX_LINE are dropped (the connection closed) and counted for events.jsonl. A connection gets a serving
+thread only once its first line is authenticated (gate.py). The server listens on the one address the workers
+use (127.0.0.1 for local runs).
 """
 
 from __future__ import annotations
@@ -17,62 +19,30 @@ import contextlib
 import os
 import queue
 import socket
-import socketserver
 import sys
 import threading
 import time
 
-from reve_jax.elastic import auth
+from reve_jax.elastic import auth, gate
+
+CHANNEL = "heartbeat"  # the name under which the channel's keys are derived from the run's secret (auth.keys)
 
 # Phases a worker reports before its state is restored (see policy.PRE_RESTORE_PHASES).
 _PRE_RESTORE = ("warming", "standby", "starting", "joining", "restoring", "exiting")
 
 
-class _Handler(socketserver.StreamRequestHandler):
-    def setup(self) -> None:
-        self.timeout = self.server.owner.idle_timeout  # a silent connection (a stopped worker) is closed
-        super().setup()
-
-    def handle(self) -> None:
-        owner: HeartbeatServer = self.server.owner  # type: ignore[attr-defined]
-        peer = self.client_address[0]
-        while True:
-            try:
-                # At most MAX_LINE + 1 bytes are read into memory whatever the peer sends.
-                line = self.rfile.readline(auth.MAX_LINE + 1)
-            except OSError:  # idle timeout or reset
-                return
-            if not line:
-                return
-            try:
-                reply = owner._received(auth.verify(owner.secret, line))
-            except auth.Rejected as e:
-                owner._reject(e.reason, peer)
-                return  # a peer that does not know the secret gets nothing back, not even an error
-            self.wfile.write(auth.sign(owner.secret, reply))
-
-    def finish(self) -> None:
-        with contextlib.suppress(OSError):
-            super().finish()
-        self.server.owner._connection_closed()
-
-
-class _Server(socketserver.ThreadingTCPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def verify_request(self, request, client_address) -> bool:
-        return self.owner._connection_opened(client_address[0])
-
-
 class HeartbeatServer:
     """TCP server of the supervisor; every signed line a worker sends is one beat, answered with a signed
-    `{"stop": bool, ...}`. Lines that fail the MAC, replay a counter, exceed auth.MAX_LINE or arrive beyond
-    `max_connections` open connections are dropped and counted (`take_rejections`).
+    `{"stop": bool, ...}`. Lines that fail the MAC, replay a counter or exceed auth.MAX_LINE are dropped and
+    counted (`take_rejections`), and so are connections that do not prove they hold the secret in time (gate.py:
+    a flood of idle or dripping connections cannot keep the workers' beats out).
 
     `bind` and `port` say where to listen (port 0: any free port, read it back from `.port`): only the address
-    the workers reach, never every interface. `secret` is the run's key (default: a fresh one, `.secret`).
-    `clock` stamps each beat on arrival, so beats are timed on the supervisor's clock only.
+    the workers reach, never every interface. `secret` is the run's key (default: a fresh one, `.secret`); lines
+    are verified and replies signed under keys derived from it (auth.keys). `clock` stamps each beat on arrival,
+    so beats are timed on the supervisor's clock only. `max_connections` bounds the authenticated connections,
+    `max_pending` those still to send their first line (the oldest is closed when it is full), `first_line_s`
+    how long one may take to, and `idle_timeout` how long an authenticated one may stay silent.
     """
 
     def __init__(
@@ -83,30 +53,59 @@ class HeartbeatServer:
         secret: bytes | None = None,
         max_connections: int = 256,
         idle_timeout: float = 60.0,
+        max_pending: int = 128,
+        first_line_s: float = 5.0,
     ):
         self.secret = secret or auth.new_secret()
+        self._request_key, self._reply_key = auth.keys(self.secret, CHANNEL)
         self.idle_timeout, self.max_connections = idle_timeout, max_connections
         self._clock = clock
         self._beats: queue.SimpleQueue = queue.SimpleQueue()
         self._stop_attempts: set[int] = set()
         self._fence = -1  # groups numbered below this one are fenced off
         self._assignments: dict[str, dict] = {}  # standby token -> the variables of its place in a group
+        self._retired: set[str] = set()  # standby tokens told to exit
         self._lock = threading.Lock()
         self._last_n: dict[str, int] = {}  # client session -> last counter accepted
         self._rejected: collections.Counter = collections.Counter()
         self._rejected_peers: dict[str, set[str]] = {}
-        self._open = 0
-        self._server = _Server((bind, port), _Handler)
-        self._server.owner = self
-        self._thread = threading.Thread(target=self._server.serve_forever, name="heartbeat-server", daemon=True)
+        self._sock = gate.listen(bind, port)
+        self._gate = gate.Gate(
+            self._sock,
+            lambda line: auth.verify(self._request_key, line),
+            self._serve,
+            self._reject,
+            max_pending=max_pending,
+            first_line_s=first_line_s,
+            max_served=max_connections,
+            name="heartbeat-server",
+        )
 
     @property
     def port(self) -> int:
-        return self._server.server_address[1]
+        return self._sock.getsockname()[1]
 
     def start(self) -> HeartbeatServer:
-        self._thread.start()
+        self._gate.start()
         return self
+
+    def _serve(self, conn: socket.socket, msg: dict, peer: str) -> None:
+        """One authenticated client: answers its first line, then every line it sends until it goes quiet."""
+        conn.settimeout(self.idle_timeout)  # a silent client (a stopped worker) gives its slot back
+        with conn.makefile("rb") as reader:
+            while True:
+                try:
+                    conn.sendall(auth.sign(self._reply_key, self._received(msg)))
+                    # At most MAX_LINE + 1 bytes are read into memory whatever the peer sends.
+                    line = reader.readline(auth.MAX_LINE + 1)
+                    if not line:
+                        return
+                    msg = auth.verify(self._request_key, line)
+                except auth.Rejected as e:
+                    self._reject(e.reason, peer)
+                    return  # a peer that does not know the secret gets nothing back, not even an error
+                except OSError:  # idle timeout or reset
+                    return
 
     def _received(self, msg: dict) -> dict:
         """Queues an authenticated beat; returns the reply. Raises Rejected for a replayed counter."""
@@ -124,6 +123,8 @@ class HeartbeatServer:
         assignment = self._assignments.get(msg.get("standby"))
         if assignment is not None:
             reply["assign"] = assignment
+        elif msg.get("standby") in self._retired:
+            reply["retire"] = True
         return reply
 
     def _reject(self, reason: str, peer: str) -> None:
@@ -132,21 +133,6 @@ class HeartbeatServer:
             peers = self._rejected_peers.setdefault(reason, set())
             if len(peers) < 8:
                 peers.add(peer)
-
-    def _connection_opened(self, peer: str) -> bool:
-        with self._lock:
-            if self._open >= self.max_connections:
-                refused = True
-            else:
-                self._open += 1
-                refused = False
-        if refused:
-            self._reject("too_many_connections", peer)
-        return not refused
-
-    def _connection_closed(self) -> None:
-        with self._lock:
-            self._open -= 1
 
     def take_rejections(self) -> dict:
         """Returns {reason: count} of the messages dropped since the last call plus "peers" {reason: [address]}
@@ -167,6 +153,10 @@ class HeartbeatServer:
         """The standby `token` gets `variables` (its place in a group) in the reply to its next beat."""
         self._assignments[token] = dict(variables)
 
+    def retire(self, token: str) -> None:
+        """The standby `token` is told to exit in the reply to its next beat (the pool dropped it)."""
+        self._retired.add(token)
+
     def fence(self, attempt: int) -> None:
         """From now on, replies to workers of groups numbered below `attempt` tell them they are fenced off."""
         self._fence = max(self._fence, attempt)
@@ -181,9 +171,7 @@ class HeartbeatServer:
                 return out
 
     def close(self) -> None:
-        if self._thread.is_alive():  # shutdown() waits for serve_forever, forever if it never started
-            self._server.shutdown()
-        self._server.server_close()
+        self._gate.close()
 
 
 def main_thread_location(thread_id: int) -> str:
@@ -219,7 +207,7 @@ class HeartbeatClient:
         self._on_fenced = on_fenced
         self._addr = (host, int(port))
         self._identity = dict(identity)
-        self._secret = secret
+        self._request_key, self._reply_key = auth.keys(secret, CHANNEL)
         self._sid, self._n = auth.session_id(), 0
         self._interval = interval
         self._orphan_timeout = orphan_timeout
@@ -277,8 +265,13 @@ class HeartbeatClient:
         if wake:
             self._wake.set()
 
+    def seconds_since_reply(self) -> float:
+        """Seconds since the last reply that proved to come from the supervisor (or since the client was made)."""
+        return time.monotonic() - self._last_ok
+
     def wait_assignment(self) -> dict:
-        """Blocks until a reply carries an assignment (a standby's place in a group); returns it."""
+        """Blocks until a reply carries an assignment (a standby's place in a group); returns it, or {} when the
+        supervisor retired this standby instead."""
         self._assigned.wait()
         return self._assignment
 
@@ -315,11 +308,11 @@ class HeartbeatClient:
                     self._reader = self._sock.makefile("rb")
                 self._n += 1
                 msg = dict(self._message(), sid=self._sid, n=self._n)
-                self._sock.sendall(auth.sign(self._secret, msg))
+                self._sock.sendall(auth.sign(self._request_key, msg))
                 line = self._reader.readline(auth.MAX_LINE + 1)
                 if not line:
                     raise ConnectionError("supervisor closed the channel")
-                reply = auth.verify(self._secret, line)
+                reply = auth.verify(self._reply_key, line)
                 if reply.get("sid") != self._sid or reply.get("n") != self._n:
                     raise auth.Rejected("stale reply")
                 self.last_reply = reply
@@ -329,6 +322,8 @@ class HeartbeatClient:
                     self._on_fenced()
                 if isinstance(reply.get("assign"), dict) and not self._assigned.is_set():
                     self._assignment = reply["assign"]
+                    self._assigned.set()
+                elif reply.get("retire"):  # a standby the supervisor dropped: wait_assignment returns {}
                     self._assigned.set()
                 self._last_ok = time.monotonic()
                 return True

@@ -13,6 +13,14 @@ that number exceeds `attempt`. Three things stop it, whichever comes first:
    process that comes back exits within that);
 3. the supervisor's heartbeat reply says "fenced" (a reachable process exits at its next beat).
 
+The same guard covers other directories the process writes for the run (`Fence.guard`: the run's in-memory
+snapshots on the host, snapshot.py), so a superseded process writes no snapshot set either.
+
+The fence fails closed: when it exists but cannot be read (EACCES, EIO, ESTALE, garbage in it) a worker cannot
+prove that it may write, so the write is refused (PermissionError, with the cause) and `fenced()` is True; the
+supervisor refuses to start (it must know which groups are fenced off before it numbers the next one). Only a
+missing fence (ENOENT: no group was ever fenced off) reads as "everyone may write".
+
 Not covered: bytes written through a file descriptor opened before the fence moved (TensorStore's array
 chunks, a TensorBoard event file held open) — they land in an uncommitted temporary checkpoint directory or
 the writer's own event file, never in a committed checkpoint or metrics.jsonl. On NFS the fence is seen after
@@ -21,6 +29,8 @@ the attribute cache expires (a few seconds).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import sys
 import threading
@@ -53,18 +63,35 @@ def write_fence(workdir: str, attempt: int) -> None:
     os.replace(tmp, path)
 
 
+class FenceUnreadable(OSError):
+    """The fence exists (or may) but cannot be read: nobody can tell which groups may write."""
+
+
 def read_fence(workdir: str) -> int:
-    """Returns the oldest group allowed to write (-1 when no fence was written)."""
+    """Returns the oldest group allowed to write; -1 when no fence was ever written (the file does not exist).
+    Raises FenceUnreadable for anything else that keeps it from being read (EACCES, EIO, ESTALE, not a number)."""
+    path = os.path.join(workdir, FENCE_FILE)
     try:
-        fd = os.open(os.path.join(workdir, FENCE_FILE), os.O_RDONLY)  # read-only: passes our own hook
-    except OSError:
+        fd = os.open(path, os.O_RDONLY)  # read-only: passes our own hook
+    except FileNotFoundError:
         return -1
+    except OSError as e:
+        raise FenceUnreadable(e.errno, f"cannot read the fence {path}: {e.strerror}") from e
     try:
-        return int(os.read(fd, 64).decode().strip() or -1)
-    except ValueError:
-        return -1
+        data = os.read(fd, 64)
+    except OSError as e:
+        raise FenceUnreadable(e.errno, f"cannot read the fence {path}: {e.strerror}") from e
     finally:
         os.close(fd)
+    try:
+        return int(data.decode().strip())
+    except (ValueError, UnicodeDecodeError):
+        raise FenceUnreadable(errno.EINVAL, f"the fence {path} holds {data[:32]!r}, not a group number") from None
+
+
+def _write_quietly(fd: int, data: bytes) -> None:
+    with contextlib.suppress(OSError):
+        os.write(fd, data)
 
 
 class Fence:
@@ -73,16 +100,29 @@ class Fence:
     def __init__(self, workdir: str, attempt: int, poll_s: float = 0.5):
         self.workdir = os.path.abspath(workdir)
         self.attempt, self.poll_s = attempt, poll_s
-        self._prefix = self.workdir.rstrip(os.sep) + os.sep
+        self._prefixes = (self.workdir.rstrip(os.sep) + os.sep,)
         self._closing = threading.Event()
 
+    def guard(self, path: str) -> Fence:
+        """Fences writes under `path` too (a directory the run writes outside the run directory)."""
+        self._prefixes += (os.path.abspath(path).rstrip(os.sep) + os.sep,)
+        return self
+
     def fenced(self) -> bool:
-        """True once a later group owns the run directory."""
-        return read_fence(self.workdir) > self.attempt
+        """True once a later group owns the run directory, or when the fence cannot be read (fail closed)."""
+        try:
+            return read_fence(self.workdir) > self.attempt
+        except FenceUnreadable:
+            return True
 
     def exit_fenced(self, why: str) -> None:
-        """Ends the process at once: no clean-up code (which could write) runs."""
-        os.write(2, f"fence: group {self.attempt} superseded ({why}); exiting without writing\n".encode())
+        """Ends the process at once: no clean-up code (which could write) runs. The farewell line is written from
+        a thread given half a second: a cut-off host's stderr is an ssh session nobody drains any more, where a
+        write blocks (or fails once the session is gone), and the process must end all the same."""
+        line = f"fence: group {self.attempt} superseded ({why}); exiting without writing\n".encode()
+        writer = threading.Thread(target=_write_quietly, args=(2, line), daemon=True)
+        writer.start()
+        writer.join(timeout=0.5)
         os._exit(EXIT_FENCED)
 
     def install(self) -> Fence:
@@ -94,7 +134,11 @@ class Fence:
 
     def _watch(self) -> None:
         while not self._closing.wait(self.poll_s):
-            if self.fenced():
+            try:
+                fenced = read_fence(self.workdir) > self.attempt
+            except FenceUnreadable:
+                continue  # writes are refused meanwhile (the hook); a file system that comes back decides
+            if fenced:
                 self.exit_fenced("fence file")
 
     def _audit(self, event: str, args: tuple) -> None:
@@ -107,7 +151,13 @@ class Fence:
             if positions is None:
                 return
             paths = tuple(args[i] for i in positions if i < len(args))
-        if any(self._inside(p) for p in paths) and self.fenced():
+        if not any(self._inside(p) for p in paths):
+            return
+        try:
+            fenced = read_fence(self.workdir) > self.attempt
+        except FenceUnreadable as e:  # fail closed: this process cannot prove the run is still its group's
+            raise PermissionError(e.errno, f"{e}; refusing {event} of {paths[0]!r} (fence.py)") from None
+        if fenced:
             self.exit_fenced(f"{event} {paths[0]!r}")
 
     def _inside(self, path) -> bool:
@@ -117,4 +167,4 @@ class Fence:
             path = os.fsdecode(os.fspath(path))
         except TypeError:
             return False
-        return os.path.abspath(path).startswith(self._prefix)
+        return os.path.abspath(path).startswith(self._prefixes)

@@ -7,6 +7,11 @@
 `--hosts N` runs N local processes (each its own emulated CPU devices, or --gpus-per-host GPUs); a comma list
 of names uses SSH; --slurm runs one srun step per node of the allocation. Arguments `--config.a.b=v` go to
 every worker unchanged.
+
+By default it runs the best policy measured (docs/elastic.md, docs/planning.md): the fast restart (warm
+standbys, compile-ahead, one executable per group), in-memory snapshots with a copy on the ring successor every
+`--snapshot-every` steps (the trainer), and re-admission by cost with a host MTBF guess that the run corrects
+from its own failures. `scripts/simulate_cluster.py` with no flags simulates exactly these defaults (DEFAULTS).
 """
 
 from __future__ import annotations
@@ -15,9 +20,27 @@ import argparse
 import os
 import re
 
+from reve_jax import cli
 from reve_jax.elastic import backends, inprocess
 from reve_jax.elastic.policy import PolicyConfig
 from reve_jax.elastic.supervisor import Supervisor, WorkerSettings
+
+# The launcher's defaults, in one place: its options' and the cluster simulator's (scripts/simulate_cluster.py
+# with no flags simulates the launcher as it runs by default), with the recovery mechanisms, in the simulator's
+# names (reve_jax.tools.plan.cluster.RECOVERY_MECHANISMS), that it turns on unless told otherwise.
+DEFAULTS = {
+    "heartbeat_timeout": 5.0,
+    "progress_timeout": 120.0,
+    "startup_timeout": 300.0,
+    "stop_timeout": 120.0,
+    "probe_interval": 10.0,
+    "max_strikes": 3,
+    # One 8-GPU host at Llama 3's failure rate (419 interruptions in 54 days on 16,384 GPUs): 264 days. A starting
+    # guess: the policy corrects it from the run's own failures (Policy.host_mtbf_estimate).
+    "host_mtbf_h": 6336.0,
+    "snapshot_every": 10,  # steps; with the trainer (elastic.snapshot_every), unless the config sets it
+}
+DEFAULT_MECHANISMS = ("fast_restart", "snapshots")
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -46,25 +69,41 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--srun-arg", action="append", default=[], help="slurm: extra srun argument (repeatable)")
     p.add_argument("--compile-cache", default="", help="persistent XLA cache (default <workdir>/../jax_cache)")
     p.add_argument("--min-hosts", type=int, default=1)
-    p.add_argument("--max-strikes", type=int, default=3, help="failures after which a host is excluded")
+    p.add_argument(
+        "--max-strikes", type=int, default=DEFAULTS["max_strikes"], help="failures after which a host is excluded"
+    )
     p.add_argument(
         "--group-sizes",
         default="auto",
         help="allowed hosts per group: comma list, 'any', or 'auto' (the global batch divides)",
     )
-    p.add_argument("--heartbeat-timeout", type=float, default=5.0)
-    p.add_argument("--progress-timeout", type=float, default=120.0, help="s at one training step: hung")
-    p.add_argument("--startup-timeout", type=float, default=300.0, help="grace while starting/compiling")
-    p.add_argument("--stop-timeout", type=float, default=120.0, help="grace for a clean stop before a kill")
-    p.add_argument("--probe-interval", type=float, default=10.0)
+    p.add_argument("--heartbeat-timeout", type=float, default=DEFAULTS["heartbeat_timeout"])
+    p.add_argument(
+        "--progress-timeout", type=float, default=DEFAULTS["progress_timeout"], help="s at one training step: hung"
+    )
+    p.add_argument(
+        "--startup-timeout", type=float, default=DEFAULTS["startup_timeout"], help="grace while starting/compiling"
+    )
+    p.add_argument(
+        "--stop-timeout", type=float, default=DEFAULTS["stop_timeout"], help="grace for a clean stop before a kill"
+    )
+    p.add_argument("--probe-interval", type=float, default=DEFAULTS["probe_interval"])
     p.add_argument("--no-readmit", action="store_true", help="never re-admit a failed host")
     p.add_argument(
         "--host-mtbf-h",
         type=float,
-        default=0.0,
-        help="mean hours between failures of one host: a repaired host then stops the group only when that pays "
-        "(docs/elastic.md); 0 = re-admit at once",
+        default=DEFAULTS["host_mtbf_h"],
+        help="first guess of the mean hours between failures of one host (corrected from the run's own failures): "
+        "a repaired host stops the group only when that pays (docs/elastic.md); 0 = re-admit at once",
     )
+    p.add_argument(
+        "--snapshot-every",
+        type=int,
+        default=DEFAULTS["snapshot_every"],
+        help="the trainer snapshots its state in host memory, with a copy on the next host, every N steps "
+        "(--config.elastic.snapshot_every wins when given)",
+    )
+    p.add_argument("--no-snapshots", action="store_true", help="no in-memory snapshots: restore from disk only")
     p.add_argument(
         "--no-precompile",
         action="store_true",
@@ -95,13 +134,21 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
         "every legitimate wait in a collective",
     )
     p.add_argument("--quiet", action="store_true")
-    args, rest = p.parse_known_args(argv)
+    args, rest = cli.parse_args(p, argv)
     if args.no_fast_recovery:
         args.no_precompile = args.no_standby = True
-    unknown = [a for a in rest if not a.startswith("--config.")]
-    if unknown:
-        p.error(f"unrecognised arguments: {unknown}")
+    if args.snapshot_every < 1:
+        p.error(f"--snapshot-every {args.snapshot_every}: give a number of steps >= 1, or --no-snapshots")
     return args, rest
+
+
+def snapshot_override(args, overrides: list[str]) -> list[str]:
+    """The `--config.elastic.snapshot_every=N` the launcher adds for the trainer (snapshots on by default), or
+    nothing when the config override is given already, snapshots are off, or the worker is not the trainer."""
+    given = any(o.startswith("--config.elastic.snapshot_every") for o in overrides)
+    if given or args.no_snapshots or not is_trainer(args):
+        return []
+    return [f"--config.elastic.snapshot_every={args.snapshot_every}"]
 
 
 def config_hints(config_path: str, overrides: list[str]) -> dict:
@@ -129,8 +176,14 @@ def group_sizes(spec: str, num_hosts: int, devices_per_host: int, hints: dict) -
     return tuple(n for n in range(1, num_hosts + 1) if batch % (n * devices_per_host) == 0)
 
 
+# Worker scripts that run reve_jax's trainer, so compile-ahead and warm standbys apply: scripts/train.py, and
+# scripts/chaos.py, the chaos soak's worker (the trainer with every step's data positions logged).
+TRAINER_SCRIPTS = ("train.py", "chaos.py")
+
+
 def is_trainer(args) -> bool:
-    return os.path.abspath(args.script) == os.path.abspath(os.path.join(backends.REPO_ROOT, "scripts", "train.py"))
+    script = os.path.abspath(args.script)
+    return any(script == os.path.join(backends.REPO_ROOT, "scripts", name) for name in TRAINER_SCRIPTS)
 
 
 def precompile_argv(args, overrides: list[str]) -> list[str]:
@@ -144,38 +197,23 @@ def precompile_argv(args, overrides: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """Runs the launcher; returns the supervisor's exit code (0 finished, 2 stopped, 1 failed)."""
     args, overrides = parse_args(argv)
+    overrides = [*overrides, *snapshot_override(args, overrides)]
     workdir = os.path.abspath(args.workdir)
     os.makedirs(workdir, exist_ok=True)
     local = not args.slurm and args.hosts.isdigit()
     cpu_env = {}  # remote hosts that run JAX on emulated CPU devices
-    if args.slurm or not args.hosts.isdigit():
-        devices = args.gpus_per_host or args.devices_per_host or 0
-        if args.devices_per_host:
-            # This machine's other XLA flags go along (the test bed's hosts are this machine).
-            flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
-            cpu_env = {
-                "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={args.devices_per_host}".strip(),
-                "JAX_PLATFORMS": "cpu",
-            }
-    backend: backends.Backend
-    if args.slurm:
-        backend = backends.SlurmBackend(
-            srun_args=tuple(args.srun_arg), advertise=args.advertise, python=args.python or "python3"
-        )
-    elif args.hosts.isdigit():
-        backend = backends.LocalBackend(
-            int(args.hosts),
-            args.devices_per_host or 2,
-            args.gpus_per_host,
-            args.python,
-            marker_dir=args.marker_dir,
-        )
-        devices = args.gpus_per_host or args.devices_per_host or 2
-    else:
-        ssh = ("ssh", *args.ssh_arg)
-        backend = backends.SSHBackend(
-            args.hosts.split(","), args.remote_dir, args.python or "python3", advertise=args.advertise, ssh=ssh
-        )
+    if (args.slurm or not args.hosts.isdigit()) and args.devices_per_host:
+        # This machine's other XLA flags go along (the test bed's hosts are this machine).
+        flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", ""))
+        cpu_env = {
+            "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={args.devices_per_host}".strip(),
+            "JAX_PLATFORMS": "cpu",
+        }
+    try:
+        backend = make_backend(args)
+    except (ValueError, RuntimeError) as e:  # a host name ssh would misread, no allocation: one line
+        raise SystemExit(f"launch: {e}") from None
+    devices = args.gpus_per_host or args.devices_per_host or (2 if local else 0)
     hints = config_hints(args.config, overrides)
     config = PolicyConfig(
         min_hosts=args.min_hosts,
@@ -229,4 +267,24 @@ def main(argv: list[str] | None = None) -> int:
         # Workers of a supervisor that died (SIGKILL, lost node) stop by themselves instead of running on.
         orphan_timeout=max(60.0, 4 * args.heartbeat_timeout),
     )
-    return Supervisor(backend, worker, config, workdir, verbose=not args.quiet).run()
+    try:
+        supervisor = Supervisor(backend, worker, config, workdir, verbose=not args.quiet)
+    except RuntimeError as e:  # another launcher on the workdir, a fence that cannot be read: say so, once
+        raise SystemExit(f"launch: {e}") from None
+    return supervisor.run()
+
+
+def make_backend(args) -> backends.Backend:
+    """The backend the options name: SLURM, local processes (--hosts N) or SSH (--hosts a,b,c)."""
+    if args.slurm:
+        return backends.SlurmBackend(
+            srun_args=tuple(args.srun_arg), advertise=args.advertise, python=args.python or "python3"
+        )
+    if args.hosts.isdigit():
+        return backends.LocalBackend(
+            int(args.hosts), args.devices_per_host or 2, args.gpus_per_host, args.python, marker_dir=args.marker_dir
+        )
+    ssh = ("ssh", *args.ssh_arg)
+    return backends.SSHBackend(
+        args.hosts.split(","), args.remote_dir, args.python or "python3", advertise=args.advertise, ssh=ssh
+    )

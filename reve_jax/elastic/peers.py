@@ -1,35 +1,36 @@
 """Snapshot traffic between the hosts of a group: a process pushes each of its snapshot sets to its ring
 successor, and a restoring process fetches the pieces it lacks from the host that holds them.
 
-Every message is a line signed with the run's secret (auth.py; the body carries a random nonce that the reply
-echoes) followed by a payload whose size the line declares and whose SHA-256 it (or the pushed manifest)
-names. A server only answers requests of its own group (`attempt`): a worker of a group the supervisor gave up
-on can neither push stale state into the new group's stores nor read from them. Sizes are checked before
-anything is read: a push must be exactly as large as the pusher's pieces are under the group's layout, a reply
-as large as the pieces asked for.
+Every message is a line signed under the snapshot channel's keys (auth.keys: one for requests, one for
+replies, both derived from the run's secret; the body carries a random nonce that the reply echoes) followed by
+a payload whose size the line declares and whose SHA-256 it (or the pushed manifest, itself signed under the
+run's snapshot key) names. A connection is served only once its first line proves it holds the secret, within
+a few seconds (gate.py): a flood of idle or dripping connections cannot keep a push out. A server only answers
+requests of its own group (`attempt`): a worker of a group the supervisor gave up on can neither push stale
+state into the new group's stores nor read from them. Sizes are checked before anything is read: a push must be
+exactly as large as the pusher's pieces are under the group's layout, a reply as large as the pieces asked for.
+Every piece served or received is checked against its digest (snapstore.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import socket
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 
-from reve_jax.elastic import auth
-from reve_jax.elastic.snapstore import HostStore, SetId
+from reve_jax.elastic import auth, gate
+from reve_jax.elastic.snapstore import MAX_MANIFEST, HostStore, SetDamaged, SetId
 
 log = logging.getLogger("reve_jax")
 
-MAX_MANIFEST = 64 << 20
-TIMEOUT_S = 60.0
-MAX_CONNECTIONS = 16
+CHANNEL = "snapshot"  # the name under which the channel's keys are derived from the run's secret (auth.keys)
+TIMEOUT_S = 60.0  # per read or write of an authenticated connection (a push of a large set streams for a while)
+MAX_CONNECTIONS = 32  # authenticated connections served at once (pushes from the predecessor, fetches while restoring)
 
 
 class PeerError(RuntimeError):
@@ -62,49 +63,34 @@ class PeerServer:
     def __init__(
         self, store: HostStore, secret: bytes, attempt: int, bind: str, push_size: Callable[[int, int], int | None]
     ):
-        self.store, self.secret, self.attempt = store, secret, attempt
+        self.store, self.attempt = store, attempt
+        self._request_key, self._reply_key = auth.keys(secret, CHANNEL)
         self.push_size = push_size
-        self.sock = socket.create_server((bind, 0))
+        self.sock = gate.listen(bind)
         self.address = f"{bind}:{self.sock.getsockname()[1]}"
         self.rejected: Counter = Counter()
         self.receive_cpu_s: list[float] = []  # CPU seconds of each accepted push
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._newest: dict[int, int] = {}  # owner -> newest step pushed (older pushes are replays)
-        self._closed = False
-        threading.Thread(target=self._accept, name="snapshot-peer-server", daemon=True).start()
+        self._gate = gate.Gate(
+            self.sock,
+            lambda line: auth.verify(self._request_key, line),
+            self._serve,
+            lambda reason, peer: self.rejected.update([reason]),
+            max_pending=64,
+            max_served=MAX_CONNECTIONS,
+            name="snapshot-peer-server",
+        ).start()
 
-    def _accept(self):
-        while not self._closed:
+    def _serve(self, conn: socket.socket, msg: dict, peer: str):
+        conn.settimeout(TIMEOUT_S)
+        with contextlib.suppress(OSError), conn.makefile("rb") as f:
             try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            if not self._slots.acquire(blocking=False):
-                self.rejected["connections"] += 1
-                conn.close()
-                continue
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket):
-        try:
-            conn.settimeout(TIMEOUT_S)
-            with conn, conn.makefile("rb") as f:
-                try:
-                    msg = auth.verify(self.secret, f.readline(auth.MAX_LINE + 1))
-                except auth.Rejected as e:
-                    self.rejected[e.reason] += 1
-                    return
-                try:
-                    payload = self._answer(msg, f, conn)
-                    self._reply(conn, msg, True, payload)
-                except (PeerError, OSError, ValueError, KeyError) as e:
-                    self.rejected[type(e).__name__] += 1
-                    with contextlib.suppress(OSError):
-                        self._reply(conn, msg, False, error=str(e)[:300])
-        except OSError:
-            pass
-        finally:
-            self._slots.release()
+                payload = self._answer(msg, f, conn)
+                self._reply(conn, msg, True, payload)
+            except (PeerError, OSError, ValueError, KeyError) as e:  # SetDamaged is a ValueError
+                self.rejected[type(e).__name__] += 1
+                with contextlib.suppress(OSError):
+                    self._reply(conn, msg, False, error=str(e)[:300])
 
     def _answer(self, msg: dict, f, conn) -> bytes:
         if msg.get("attempt") != self.attempt:
@@ -116,9 +102,10 @@ class PeerServer:
         if op == "push":
             return self._take_push(sid, msg, f, conn)
         if op == "manifest":
+            self.store.manifest(sid)  # a damaged one is refused here, not only by the peer
             return self.store.manifest_bytes(sid)
         if op == "fetch":
-            entries = json.loads(self.store.manifest_bytes(sid))["pieces"]
+            entries = self.store.manifest(sid)["pieces"]
             return b"".join(self.store.read(sid, [entries[int(k)] for k in msg["pieces"]]))
         raise PeerError(f"unknown op {op!r}")
 
@@ -134,11 +121,10 @@ class PeerServer:
         manifest = _read_exact(f, mlen)
         if hashlib.sha256(manifest).hexdigest() != msg["manifest_sha256"]:
             raise PeerError("manifest digest mismatch")
-        digest = hashlib.sha256()
-        tmp = self.store.receive(sid, manifest, f, size, digest)
-        if digest.hexdigest() != json.loads(manifest).get("data_sha256"):
-            self.store.discard(tmp)
-            raise PeerError("data digest mismatch")
+        try:
+            tmp = self.store.receive(sid, manifest, f, size)
+        except SetDamaged as e:
+            raise PeerError(str(e)) from None
         self.store.commit(tmp, sid)
         self._newest[sid.owner] = sid.step
         self.receive_cpu_s.append(time.thread_time() - cpu0)
@@ -149,12 +135,10 @@ class PeerServer:
         head = {"nonce": msg.get("nonce"), "ok": ok, "size": len(payload), "sha256": digest}
         if error:
             head["error"] = error
-        conn.sendall(auth.sign(self.secret, head) + payload)
+        conn.sendall(auth.sign(self._reply_key, head) + payload)
 
     def close(self):
-        self._closed = True
-        with contextlib.suppress(OSError):
-            self.sock.close()
+        self._gate.close()
 
 
 def call(
@@ -163,16 +147,17 @@ def call(
     """Sends `msg` (signed, with a fresh nonce) and the byte `parts` after it; returns the reply's payload.
     Raises PeerError when the peer refuses or its reply is not signed, not for this request, or too big."""
     msg = dict(msg, nonce=os.urandom(8).hex())
+    request_key, reply_key = auth.keys(secret, CHANNEL)
     host, _, port = address.rpartition(":")
     try:
         with socket.create_connection((host, int(port)), timeout=timeout) as s:
-            s.sendall(auth.sign(secret, msg))
+            s.sendall(auth.sign(request_key, msg))
             with s.makefile("rb") as f:
                 if parts:  # the payload goes only once the header is accepted
-                    _check_reply(address, secret, msg, f)
+                    _check_reply(address, reply_key, msg, f)
                     for part in parts:
                         s.sendall(part)
-                reply = _check_reply(address, secret, msg, f)
+                reply = _check_reply(address, reply_key, msg, f)
                 size = int(reply["size"])
                 if size > max_reply:
                     raise PeerError(f"{address} answered {size} bytes, at most {max_reply} expected")
@@ -184,8 +169,8 @@ def call(
     return data
 
 
-def _check_reply(address: str, secret: bytes, msg: dict, f) -> dict:
-    reply = auth.verify(secret, f.readline(auth.MAX_LINE + 1))
+def _check_reply(address: str, reply_key: bytes, msg: dict, f) -> dict:
+    reply = auth.verify(reply_key, f.readline(auth.MAX_LINE + 1))
     if reply.get("nonce") != msg["nonce"]:
         raise PeerError("reply is not for this request")
     if not reply.get("ok"):
@@ -193,7 +178,7 @@ def _check_reply(address: str, secret: bytes, msg: dict, f) -> dict:
     return reply
 
 
-def push(address: str, secret: bytes, store: HostStore, sid: SetId) -> None:
+def push(address: str, secret: bytes, store: HostStore, sid: SetId, timeout: float = TIMEOUT_S) -> None:
     """Sends set `sid` of `store` to the peer at `address`, streamed from the store's files."""
     manifest = store.manifest_bytes(sid)
     data_path = store.root / sid.name / "data.bin"
@@ -213,4 +198,4 @@ def push(address: str, secret: bytes, store: HostStore, sid: SetId) -> None:
         "manifest_size": len(manifest),
         "manifest_sha256": hashlib.sha256(manifest).hexdigest(),
     }
-    call(address, secret, msg, chunks(), max_reply=0)  # a generator: true even when the set is empty
+    call(address, secret, msg, chunks(), max_reply=0, timeout=timeout)  # a generator: true even when the set is empty

@@ -18,6 +18,7 @@ import re
 import sys
 import time
 
+from reve_jax import cli
 from reve_jax.elastic import backends
 
 
@@ -26,16 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", required=True)
     p.add_argument("--workdir", default="", help="the run's (unused: it names the run in the command line)")
-    args, overrides = p.parse_known_args(argv)
+    args, overrides = cli.parse_args(p, argv)
     from reve_jax import xla
 
     xla.share_executables_between_processes()
     import jax
 
-    from reve_jax import config
     from reve_jax.train import builder
 
-    cfg = config.load_config(args.config, [o for o in overrides if o.startswith("--config.")])
+    cfg = cli.load_config_or_exit(args.config, overrides)
     t0 = time.perf_counter()
     run = builder.build(cfg)
     shapes = run.image_shapes()

@@ -21,15 +21,22 @@ if any failed (a host unreachable, a short read), all read the disk checkpoint i
 when some piece has no surviving copy: two neighbouring hosts lost at once, or a failure before the first
 snapshot was pushed.
 
-A run's snapshots live under `<elastic.snapshot_dir>/<run id>/<host>`; the run id comes from a random token in
-`<workdir>/.snapshot_run`, so a workdir removed and made again never picks up the old run's state.
+A run's snapshots live under `<elastic.snapshot_dir>/<run id>/<host>` (default root `/dev/shm/reve_jax-<uid>`,
+private to its user: snapstore.private_root). The run id and the key that signs every manifest come from a
+random token in `<workdir>/.snapshot_run` (mode 0600; new on `--fresh`), so a workdir removed and made again
+never picks up the old run's state, and a set changed in place fails its check on every read and fetch. The
+token never travels over the network: process 0 writes it, the others read it from the shared run directory. A
+process of a group the supervisor gave up on writes no set (its fence guards the run's snapshot directory as it
+guards the run directory: fence.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from collections import defaultdict
@@ -39,8 +46,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from reve_jax.elastic import peers, shards
-from reve_jax.elastic.snapstore import HostStore, SetId, default_root
+from reve_jax.elastic import auth, peers, shards
+from reve_jax.elastic.snapstore import HostStore, SetId, check_piece, default_root, private_root
 
 log = logging.getLogger("reve_jax")
 
@@ -99,8 +106,14 @@ class Snapshots:
         self.pieces = shards.plan([x for _, x in flat])
         self.owned = [p for p in self.pieces if p.owner == self.pid]
         host = getattr(worker, "host", "") or os.uname().nodename
-        root = Path(cfg.elastic.snapshot_dir) if cfg.elastic.snapshot_dir else default_root()
-        self.store = HostStore(root / self._run_token(fresh) / host)
+        root = private_root(cfg.elastic.snapshot_dir or default_root())
+        token = self._run_token(fresh)
+        run_dir = root / hashlib.sha256(token).hexdigest()[:16]
+        guard = getattr(worker, "guard_writes", None)
+        if guard is not None:  # a superseded process must not write sets either (fence.py)
+            guard(str(run_dir))
+        self.run_dir = run_dir
+        self.store = HostStore(run_dir / host, auth.derive(token, "snapshot/manifest"))
         self.server = None
         self.peers: dict[int, str] = {}
         self._rounds = 0
@@ -121,23 +134,32 @@ class Snapshots:
         return cls(cfg, workdir, worker, abstract_state, fresh)
 
     # ------------------------------------------------------------ group plumbing
-    def _run_token(self, fresh: bool) -> str:
-        """The run's random token (RUN_FILE), created by process 0 (again when `fresh`) and shared through the
-        key-value store."""
+    def _run_token(self, fresh: bool) -> bytes:
+        """The run's random token (RUN_FILE, mode 0600), created by process 0 (again when `fresh`); the others read
+        it from the run directory once process 0 says it is there (the coordination service carries only its
+        hash: the token keys the manifests' MACs, and that service is not authenticated)."""
         path = self.workdir / RUN_FILE
-        token = ""
         if self.pid == 0:
-            if path.is_file() and not fresh:
-                token = path.read_text().strip()
+            token = "" if fresh or not path.is_file() else path.read_text().strip()
             if not token:
-                token = os.urandom(8).hex()
+                token = os.urandom(32).hex()
                 self.workdir.mkdir(parents=True, exist_ok=True)
-                path.write_text(token + "\n")
+                tmp = path.with_name(f"{RUN_FILE}.tmp{os.getpid()}")
+                with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+                    f.write(token + "\n")
+                os.replace(tmp, path)
             if self.n > 1:
-                _kv().key_value_set("reve_snapshot/run", token)
-        else:
-            token = _kv().blocking_key_value_get("reve_snapshot/run", KV_TIMEOUT_MS)
-        return token
+                _kv().key_value_set("reve_snapshot/run", _digest(token))
+            return token.encode()
+        want = _kv().blocking_key_value_get("reve_snapshot/run", KV_TIMEOUT_MS)
+        deadline = time.monotonic() + 30
+        while True:  # a shared file system may show the new file a moment late
+            token = path.read_text().strip() if path.is_file() else ""
+            if _digest(token) == want:
+                return token.encode()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{path} does not hold the token process 0 wrote: is the run directory shared?")
+            time.sleep(0.1)
 
     def _all(self, what: str, value) -> dict[int, object]:
         """Every process's `value` (a JSON-able), through the coordination service; a collective."""
@@ -194,7 +216,7 @@ class Snapshots:
             src = self.pid if self.pid in pids else pids[(self.pid + owner) % len(pids)]
             remote = src != self.pid
             raw = self._request(src, {"op": "manifest", "set": sid.name}) if remote else self.store.manifest_bytes(sid)
-            manifest = json.loads(raw)
+            manifest = self.store.parse_manifest(raw)  # its MAC under the run's key
             if manifest["leaves"] != self.specs:
                 raise ValueError(f"snapshot {sid.name} holds another state structure than this config's")
             meta = meta if meta is not None else manifest["meta"]
@@ -208,6 +230,7 @@ class Snapshots:
                 datas, at = [], 0
                 for k in want:
                     datas.append(blob[at : at + entries[k][3]])
+                    check_piece(sid, entries[k], datas[-1])  # the holder checked it too; trust no one
                     at += entries[k][3]
             else:
                 datas = self.store.read(sid, [entries[k] for k in want])
@@ -240,13 +263,17 @@ class Snapshots:
             t2 = time.perf_counter()
             if self.n > 1:
                 peers.push(self.peers[(self.pid + 1) % self.n], self.secret, self.store, sid)
-            self.store.prune(self.attempt)
             t3 = time.perf_counter()
         except Exception as e:  # a snapshot is a convenience: the run goes on, the disk checkpoint stays
             self.stats["failed"] += 1
             if self.stats["failed"] <= 3:
                 log.warning("snapshot of step %d failed: %s: %s", step, type(e).__name__, e)
             return
+        finally:  # also after a failure: old sets and dead writers' leftovers must not fill host memory
+            try:
+                self.store.prune(self.attempt)
+            except OSError as e:
+                log.warning("pruning the snapshot store failed: %s", e)
         self.stats["taken"] += 1
         cpu = time.thread_time() - cpu0  # this thread's CPU: on a CPU "device" it is taken from the step
         for k, v in (("host_s", t1 - t0), ("write_s", t2 - t1), ("push_s", t3 - t2), ("cpu_s", cpu)):
@@ -262,11 +289,16 @@ class Snapshots:
         return out
 
     def close(self, finished: bool = False) -> None:
-        """Stops serving; a finished run's snapshots are removed (the final checkpoint is on disk)."""
+        """Stops serving; a finished run's snapshots are removed (the final checkpoint is on disk): the run's
+        whole directory in this host's memory, with any sets kept there for hosts that left the group."""
         if self.server is not None:
             self.server.close()
         if finished:
-            self.store.clear()
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+
+def _digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
 
 
 def _nbytes(box, dtype: str) -> int:

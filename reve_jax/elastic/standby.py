@@ -52,6 +52,9 @@ def wait_for_assignment(env, secret: bytes) -> dict:
     client.update(-1, "standby")
     assignment = client.wait_assignment()
     client.close(flush=False)
+    if not assignment:  # the supervisor dropped this standby (its ssh was lost, say): nothing to wait for
+        print("standby: retired by the supervisor; exiting", file=sys.stderr, flush=True)
+        os._exit(0)
     env.update(assignment)
     env.pop("REVE_STANDBY", None)
     print(f"standby: assigned to group {assignment.get('REVE_ATTEMPT')}", file=sys.stderr, flush=True)
@@ -78,6 +81,7 @@ class StandbyPool:
         self._by_token: dict[str, Standby] = {}
         self._count = itertools.count()
         self._last_start: dict[str, float] = {}
+        self._exited: list[Standby] = []  # found exited by `take`, not yet handed back by `poll`
 
     def ensure(self, hosts: list[str]) -> None:
         """Starts a standby on each of `hosts` that has none (and had none started in the last RESTART_AFTER s)."""
@@ -110,6 +114,8 @@ class StandbyPool:
             return None, f"silent for {silent:.1f} s"
         self._drop(s)
         if s.proc.poll() is not None:
+            s.proc.kill()
+            self._exited.append(s)  # handed back by the next poll, to be retired
             return None, "exited"
         return s, ""
 
@@ -117,11 +123,17 @@ class StandbyPool:
         """Whether every one of `hosts` has a standby that has finished its imports."""
         return all(h in self.by_host and self.by_host[h].ready for h in hosts)
 
-    def poll(self) -> None:
-        """Forgets standbys that exited (they are restarted by the next `ensure`)."""
-        for s in list(self.by_host.values()):
-            if s.proc.poll() is not None:
-                self._drop(s)
+    def poll(self) -> list[Standby]:
+        """Forgets standbys whose process exited (they are restarted by the next `ensure`) and returns them. Over
+        ssh or srun the local process may exit while the remote one runs on (a host cut off the network): each is
+        killed (the remote kill reaches it if the host is back) and the caller retires its token on the channel,
+        which tells it to exit if it beats again."""
+        dropped = [s for s in self.by_host.values() if s.proc.poll() is not None]
+        for s in dropped:
+            self._drop(s)
+            s.proc.kill()
+        dropped, self._exited = self._exited + dropped, []
+        return dropped
 
     def close(self) -> list:
         """Kills every standby; returns their processes (to wait for)."""

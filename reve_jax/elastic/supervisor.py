@@ -69,10 +69,20 @@ class Supervisor:
         self.policy = P.Policy(self.hosts, config)
         self.poll_s, self.clock, self.verbose = poll_s, clock, verbose
         events_path = os.path.join(workdir, "events.jsonl")
-        # A launch that resumes a run continues its attempt numbers, so logs and events stay apart.
-        self.policy.next_attempt = _next_attempt(events_path)
-        self.fenced_below = fence.read_fence(workdir)
         self._lock = _lock_workdir(workdir)
+        try:
+            self.fenced_below = fence.read_fence(workdir)
+        except fence.FenceUnreadable as e:
+            self._lock.close()
+            raise RuntimeError(
+                f"{e}. The supervisor must know which groups are fenced off before it numbers the next one: fix "
+                f"the file's permissions or file system, or remove it if no worker of an earlier launch can still "
+                f"run (then every old group may write again)."
+            ) from None
+        # A launch that resumes a run continues its attempt numbers, so logs and events stay apart; and never
+        # below the fence (events.jsonl lost, truncated or not copied): a group numbered there would be fenced
+        # off by its own launch.
+        self.policy.next_attempt = max(_next_attempt(events_path), self.fenced_below)
         self.log = EventLog(events_path, clock)
         # Listen only where the workers reach us; a fresh secret per run proves a beat comes from one of them.
         self.server = HeartbeatServer(
@@ -160,7 +170,8 @@ class Supervisor:
         g = self.policy.group
         training = g is not None and g.mode == "running" and all(m.trained for m in g.members.values())
         if self.standbys is not None:
-            self.standbys.poll()
+            for s in self.standbys.poll():  # its local ssh/srun gone: the remote standby must not live on
+                self.server.retire(s.token)
             if training:
                 usable = self.policy.usable()
                 self.standbys.ensure(usable)
@@ -297,6 +308,10 @@ class Supervisor:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and any(p.poll() is None for p in procs):
             time.sleep(0.05)
+        for proc in procs:  # remote kills (ssh, scancel) finish, so nothing of the run is left on the hosts
+            thread = getattr(proc, "killing", None)
+            if thread is not None:
+                thread.join(timeout=max(0.0, deadline + 5 - time.monotonic()))
 
     def _say(self, text: str) -> None:
         if self.verbose:

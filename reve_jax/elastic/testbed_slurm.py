@@ -116,14 +116,27 @@ class SlurmCluster:
                 subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             )
 
-    def run(self, argv: list[str], check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
-        """Runs a SLURM client command (sbatch, squeue, scancel...) against this cluster."""
-        return subprocess.run(argv, env=self.env, capture_output=True, text=True, timeout=timeout, check=check)
+    def run(
+        self,
+        argv: list[str],
+        check: bool = True,
+        timeout: float = 30.0,
+        cwd: str | None = None,
+        env: dict | None = None,
+    ) -> subprocess.CompletedProcess:
+        """Runs a SLURM client command (sbatch, squeue, scancel...) against this cluster, from `cwd`, with `env`
+        added to the environment."""
+        return subprocess.run(
+            argv, env={**self.env, **(env or {})}, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=check
+        )
 
-    def sbatch(self, script: str, nodes: int, output: str) -> str:
-        """Submits `script` on `nodes` nodes; returns the job id."""
-        out = self.run(["sbatch", "--parsable", f"--nodes={nodes}", f"--output={output}", script]).stdout
-        return out.strip().split(";")[0]
+    def sbatch(
+        self, script: str, nodes: int, output: str, args=(), cwd: str | None = None, env: dict | None = None
+    ) -> str:
+        """Submits `script` with `args` on `nodes` nodes, from `cwd` (the job's submit directory), with `env`
+        added to the environment sbatch exports to the job; returns the job id."""
+        argv = ["sbatch", "--parsable", f"--nodes={nodes}", f"--output={output}", script, *args]
+        return self.run(argv, cwd=cwd, env=env).stdout.strip().split(";")[0]
 
     def job_state(self, job: str) -> str:
         """PENDING, RUNNING, COMPLETED, ... ("" once the controller has forgotten the job)."""

@@ -72,6 +72,12 @@ class WorkerContext:
         process must not write there (the guard installed by init_from_env exits it at its next write)."""
         return self._fence is not None and self._fence.fenced()
 
+    def guard_writes(self, path: str) -> None:
+        """Fences writes under `path` as under the run directory (a directory the run writes elsewhere: the
+        host's snapshot store). No-op without a fence (not launched by the supervisor)."""
+        if self._fence is not None:
+            self._fence.guard(path)
+
     def close(self) -> None:
         """Sends the last state (phase "exiting": the process may wait in JAX's shutdown without beating) and
         stops the heartbeat thread; a recoverable group's processes leave together (inprocess.leave)."""
