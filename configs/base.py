@@ -82,6 +82,11 @@ def get_config() -> ml_collections.ConfigDict:
     d.shapes = ()  # synthetic shapes drawn from (names from circle, square, triangle, diamond, cross); () = all
     d.colors = ()  # synthetic palette for backgrounds and objects (at least 2 of the 8 names); () = all
     d.render = "jitter"  # jitter (each caption a distribution of images) | fixed (one image per caption, as before)
+    # Compositions the training stream never shows (data/synthetic/split.py): this share of the (color, shape) and of
+    # the (shape, cell) pairs, chosen by heldout_seed alone; evaluation scores captions that contain one ("unseen")
+    # beside training-like ones ("seen"). 0 trains on every composition (then only "seen" can be scored).
+    d.heldout_frac = 0.15
+    d.heldout_seed = 0
     d.path = ""  # shards directory (data.name=shards)
     d.worker_threads = 2  # grain read threads per process (each builds whole batches)
     d.worker_processes = 0  # grain worker processes (0: none); for hosts where the GIL-bound decode starves the step
@@ -144,7 +149,8 @@ def get_config() -> ml_collections.ConfigDict:
     o.b2 = 0.95
     o.eps = 1e-8
     o.weight_decay = 0.0
-    o.schedule = "constant"  # constant | cosine | linear (decay to min_lr_ratio*lr after warm-up)
+    o.schedule = "constant"  # constant | cosine | linear (decay to min_lr_ratio*lr after warm-up) | wsd (below)
+    o.decay_frac = 0.2  # wsd: constant, then a linear decay to min_lr_ratio*lr over this last share of the steps
     o.warmup_steps = 100
     o.min_lr_ratio = 0.0
     o.clip_norm = 1.0  # global gradient norm clip; 0 disables

@@ -34,7 +34,7 @@ CHOICES = {
     "loss.perceptual_dtype": ("float32", "bfloat16"),
     "loss.repa_target": ("dinov2", "features"),
     "loss.dino_target": ("dinov2", "features"),
-    "optim.schedule": ("constant", "cosine", "linear"),
+    "optim.schedule": ("constant", "cosine", "linear", "wsd"),
     "optim.muon_scale": ("moonlight", "keller"),
     "sample.sampler": ("euler", "heun"),
 }
@@ -247,6 +247,9 @@ ADDED_KEYS = {
     "data.min_objects": 1,
     "data.shapes": (),
     "data.colors": (),
+    "data.heldout_frac": 0.0,  # runs before the split trained on every composition
+    "data.heldout_seed": 0,
+    "optim.decay_frac": 0.2,
     "data.stages": (),
     "ema.warmup_power": -1.0,  # a fixed EMA decay from the first step
     "text.frozen_encoder": "",

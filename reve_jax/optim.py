@@ -201,7 +201,9 @@ def lr_schedule(optim_cfg, peak: float, total_steps: int):
     """The learning rate as a function of the step (an int or int array): returns a float32 scalar.
 
     Linear warm-up from 0 at step 0 to `peak` at `optim.warmup_steps`, then `optim.schedule`: constant, or a
-    cosine / linear decay reaching `optim.min_lr_ratio * peak` at `total_steps` and staying there.
+    cosine / linear decay reaching `optim.min_lr_ratio * peak` at `total_steps` and staying there, or "wsd"
+    (warm-up, stable, decay): constant at `peak`, then linear to the floor over the last `optim.decay_frac` of the
+    steps.
     """
     kind = optim_cfg.schedule
     _check_choice("optim.schedule", kind, SCHEDULES)
@@ -213,7 +215,11 @@ def lr_schedule(optim_cfg, peak: float, total_steps: int):
         step = jnp.asarray(step, jnp.float32)
         ramp = jnp.minimum(1.0, step / warmup) if warmup > 0 else 1.0
         progress = jnp.clip((step - warmup) / decay_steps, 0.0, 1.0)
-        if kind == "cosine":
+        if kind == "wsd":
+            start = (1.0 - float(optim_cfg.get("decay_frac", 0.2))) * total_steps
+            tail = jnp.clip((step - start) / max(total_steps - start, 1.0), 0.0, 1.0)
+            value = peak + (floor - peak) * tail
+        elif kind == "cosine":
             value = floor + (peak - floor) * 0.5 * (1.0 + jnp.cos(jnp.pi * progress))
         elif kind == "linear":
             value = peak + (floor - peak) * progress

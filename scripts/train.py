@@ -32,10 +32,16 @@ def main(argv=None):
             f"on mesh {cli.describe_mesh(mesh)} into {args.workdir}"
         )
     summary = cli.train(cfg, args.workdir, worker, fresh=args.fresh)
-    logging.getLogger("reve_jax").info("done: %s", {k: v for k, v in summary.items() if not k.startswith("align_")})
-    if "align_overall" in summary:  # the last line: how well the final samples follow their captions
-        scores = ", ".join(f"{k[6:]} {v:.2f}" for k, v in summary.items() if k.startswith("align_"))
-        print(f"final samples ({summary['samples_scored']} held-out captions): {scores}", flush=True)
+    splits = [s for s in ("unseen", "seen") if s in summary]
+    logging.getLogger("reve_jax").info("done: %s", {k: v for k, v in summary.items() if k not in splits})
+    for split in splits:  # the last lines: how well the final samples follow captions it never trained on
+        scores = summary[split]
+        line = ", ".join(f"{k[6:]} {v:.2f}" for k, v in scores.items() if k not in ("align_exact", "align_overall"))
+        print(
+            f"final samples, {summary['samples_scored']} {split} captions: exact {scores['align_exact']:.2f}, "
+            f"overall {scores['align_overall']:.2f} ({line})",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def test_probe_on_a_model_writes_its_table_and_grid():
     for name in ("denoise_mse", "denoise_input_mse", "denoise_swapped_mse"):
         assert all(np.isfinite(table[f"{name}_t{t:g}"]) for t in TIMES)
     # At init the output layer is zero: x_hat = 0 for x-prediction, whatever the input and the caption.
-    batch = vloss.heldout_batch(cfg, 4)
+    batch = vloss.eval_batch(cfg, 4)
     zero = float(np.mean(np.square(batch["image"].astype(np.float64))))
     assert table["denoise_mse_t0.99"] == pytest.approx(zero, rel=1e-4)
     assert table["denoise_swapped_mse_t0.99"] == pytest.approx(zero, rel=1e-4)
@@ -76,7 +76,7 @@ def test_probe_on_a_model_writes_its_table_and_grid():
 def test_the_reader_columns_score_the_answers_against_their_captions():
     cfg = tiny_config()
     cfg.data.max_objects = 1
-    batch = vloss.heldout_batch(cfg, 16)
+    batch = vloss.eval_batch(cfg, 16)
     clean, other = batch["image"], np.roll(batch["image"], 1, axis=0)  # right images; each another caption's
     got = denoise.read_per_time(cfg, batch["index"], np.stack([clean, other]), (0.0, 0.5))
     assert got["denoise_align_overall_t0"] == 1.0 and got["denoise_align_shape_t0"] == 1.0

@@ -200,7 +200,7 @@ def test_heldout_vloss_is_deterministic_for_fixed_seeds():
     rng = np.random.default_rng(0)
     params = jax.tree.unflatten(treedef, [x + 0.05 * rng.standard_normal(x.shape).astype(x.dtype) for x in leaves])
     fn = vloss.make_vloss_fn(cfg, graphdef)
-    batch = vloss.heldout_batch(cfg, 4)
+    batch = vloss.eval_batch(cfg, 4)
     np.testing.assert_array_equal(batch["index"], np.arange(cfg.data.num_samples - 4, cfg.data.num_samples))
     a = vloss.heldout_vloss(cfg, params, graphdef, 4, seed=3, fn=fn, batch=batch)
     b = vloss.heldout_vloss(cfg, params, graphdef, 4, seed=3, fn=fn, batch=batch)

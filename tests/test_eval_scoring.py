@@ -21,8 +21,12 @@ def test_evaluate_scores_a_trained_run(tmp_path):
     load_script("train").main([*train, *(f"--config.{o}" for o in TINY), "--config.train.steps=2"])
     load_script("evaluate").main(["--workdir", str(workdir), "--n", "16", "--boot", "50"])
     result = json.loads((workdir / "evaluation" / "step_2.json").read_text())
-    assert (result["step"], result["n"], len(result["captions"])) == (2, 16, 16)
-    m = result["metrics"]
+    # Both caption sets, each named: unseen compositions (the headline) and seen ones.
+    assert list(result["splits"]) == ["unseen", "seen"] and result["heldout_compositions"].startswith("held out:")
+    unseen, seen = result["splits"]["unseen"], result["splits"]["seen"]
+    assert (result["step"], result["n"], len(unseen["captions"]), len(seen["captions"])) == (2, 16, 16, 16)
+    assert {r["caption"] for r in unseen["captions"]}.isdisjoint({r["caption"] for r in seen["captions"]})
+    m = unseen["metrics"]
     for name in (*(f"align_{a}" for a in (*alignment.ATTRIBUTES, "overall", "exact")), "kid", "kid_image"):
         assert m[f"{name}_lo"] <= m[name] <= m[name + "_hi"], name
     assert {"kid_floor", "kid_floor_lo", "kid_floor_hi", "vloss", "fd_shapes"} <= set(m)
@@ -30,7 +34,7 @@ def test_evaluate_scores_a_trained_run(tmp_path):
         assert f"ctrl_{name}_align_overall" in m and f"ctrl_{name}_kid" in m
     assert m["ctrl_real_align_overall"] >= 0.99 > m["ctrl_shuffled_align_overall"]
     # Per caption, the checks behind the scores: they add up to them.
-    rows = result["captions"]
+    rows = unseen["captions"]
     assert rows[0]["caption"].endswith("background") and set(rows[0]["checks"]) == set(alignment.ATTRIBUTES)
     for a in alignment.ATTRIBUTES:
         passed, total = np.sum([r["checks"][a] for r in rows], axis=0)
@@ -40,26 +44,29 @@ def test_evaluate_scores_a_trained_run(tmp_path):
     assert png.size[0] > 4 * 128 and png.size[1] > 4 * 128  # a 4 x 4 grid of 16 images, 128 px cells at least
     # An explicit step and output directory.
     load_script("evaluate").main(["--workdir", str(workdir), "--step", "2", "--n", "8", "--boot", "0",
-                                  "--out", str(tmp_path / "elsewhere")])  # fmt: skip
+                                  "--out", str(tmp_path / "elsewhere"), "--splits", "unseen"])  # fmt: skip
     again = json.loads((tmp_path / "elsewhere" / "step_2.json").read_text())
-    assert again["n"] == 8 and "align_overall_lo" not in again["metrics"]
+    assert again["n"] == 8 and "align_overall_lo" not in again["splits"]["unseen"]["metrics"]
     # Another sampler and step count: the config in the JSON says how the images were drawn, the names say so too.
     elsewhere = str(tmp_path / "elsewhere")
     sampler = {"euler": "heun", "heun": "euler"}[again["config"]["sample"]["sampler"]]
     load_script("evaluate").main(["--workdir", str(workdir), "--n", "8", "--boot", "0", "--out", elsewhere,
-                                  "--sampler", sampler, "--steps", "3"])  # fmt: skip
+                                  "--sampler", sampler, "--steps", "3", "--splits", "unseen"])  # fmt: skip
     other = json.loads((tmp_path / "elsewhere" / f"step_2_sampler{sampler}_steps3.json").read_text())
     assert (other["config"]["sample"]["sampler"], other["config"]["sample"]["steps"]) == (sampler, 3)
-    assert again["config"]["sample"]["steps"] != 3 and other["metrics"]["grain"] != again["metrics"]["grain"]
+    assert (
+        again["config"]["sample"]["steps"] != 3
+        and other["splits"]["unseen"]["metrics"]["grain"] != again["splits"]["unseen"]["metrics"]["grain"]
+    )
     load_script("evaluate").main(["--workdir", str(workdir), "--n", "8", "--boot", "0", "--out", elsewhere,
-                                  "--t-eps", "-1"])  # fmt: skip
+                                  "--t-eps", "-1", "--splits", "unseen"])  # fmt: skip
     clamped = json.loads((tmp_path / "elsewhere" / "step_2_t_eps-1.0.json").read_text())
     assert again["config"]["sample"]["t_eps"] == 0.0 and clamped["config"]["sample"]["t_eps"] == -1.0
     # --regions: the KID with each region's real pixels given back (tests/test_eval_regions.py checks what it finds)
     load_script("evaluate").main(["--workdir", str(workdir), "--n", "8", "--boot", "0", "--out", elsewhere,
-                                  "--regions"])  # fmt: skip
+                                  "--regions", "--splits", "unseen"])  # fmt: skip
     table = json.loads((tmp_path / "elsewhere" / "step_2.json").read_text())["regions"]
-    assert table["generated"]["kid"] == pytest.approx(again["metrics"]["kid"])  # the same 8 images
+    assert table["generated"]["kid"] == pytest.approx(again["splits"]["unseen"]["metrics"]["kid"])  # the same 8 images
     assert sum(table[r]["frac"] for r in regions.REGIONS) == pytest.approx(1.0)
 
 

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from configs.base import get_config
 from reve_jax import optim, treepath
+from reve_jax.config import load_config
 
 W, H, T, PATCH, VOCAB = 32, 64, 16, 48, 50  # model width, MLP hidden, text width, p*p*3, vocab
 
@@ -374,3 +375,11 @@ def test_muon_on_stacked_blocks_equals_muon_per_block():
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+def test_wsd_schedule_is_stable_then_decays_linearly_over_the_last_share():
+    cfg = load_config("configs/base.py", ["optim.schedule='wsd'", "optim.warmup_steps=10", "optim.decay_frac=0.25"])
+    sched = optim.lr_schedule(cfg.optim, 1.0, 100)
+    # by hand: warm-up 0 -> 1 over 10 steps, 1 until step 75, then linear to 0 at step 100
+    want = {0: 0.0, 5: 0.5, 10: 1.0, 50: 1.0, 75: 1.0, 80: 0.8, 90: 0.4, 100: 0.0, 150: 0.0}
+    assert {s: round(float(sched(s)), 6) for s in want} == want

@@ -106,6 +106,7 @@ METHODS = {
     "pixel_p8": (),  # control: pixel v-prediction at the size's patch (JiT's failure regime)
     "recipe": JIT_DDT,
     "prx": (*JIT_DDT, "tread", "muon"),
+    "recipe+muon": (*JIT_DDT, "muon"),  # the 2x2's fourth arm: the recipe with Muon for its 2D weights
     "baseline": (),  # the plain DiT (configs/recipe/baseline.py)
 }
 

@@ -22,9 +22,8 @@ from reve_jax.speedup.runner import Protocol
 PROTOCOL = Protocol(
     name="cpu",
     steps=2000,
-    seeds=(0, 1, 2),
     baseline="latent",
-    methods=("recipe",),
+    methods=("latent+muon", "recipe", "recipe+muon"),  # with baseline A: the 2x2 of {latent, recipe} x {AdamW, Muon}
     further=(
         "pixel",
         "prx",
@@ -50,6 +49,8 @@ FROZEN = {  # each method's rates and guidance, as this size's sweeps chose them
 # Baseline A with Muon for its 2D weights, a control (not Linum's baseline: does Muon speed the latent DiT as it does
 # the pixel recipe?): baseline A's AdamW rate for the rest, Muon's from its own sweep on seeds 0 and 1.
 FROZEN["latent+muon"] = {**FROZEN["latent"], "muon_lr": 3.2e-2, "cfg_scale": 3.0}
+# The recipe with Muon (the 2x2's fourth arm): the PRX variant's rates (the same optimizer groups) until its own sweep.
+FROZEN["recipe+muon"] = dict(FROZEN["prx"])
 
 
 # Each method at the token count where it learned best in calibration: the recipe at 16 (JiT's regime of large

@@ -19,12 +19,11 @@ from reve_jax.speedup.runner import Protocol
 PROTOCOL = Protocol(
     name="cpu30",
     steps=1000,
-    seeds=(0, 1, 2),
     evals=10,
     n_eval=128,
     n_final=256,
     baseline="latent",
-    methods=("recipe",),
+    methods=("latent+muon", "recipe", "recipe+muon"),  # with baseline A: the 2x2
     further=cpu.PROTOCOL.further,
     cfg_scales=cpu.PROTOCOL.cfg_scales,
 )
@@ -43,6 +42,7 @@ FROZEN = {  # each method's rates and guidance, as this size's sweeps chose them
 }
 # baseline A with Muon for its 2D weights (a control, as on the `cpu` size): Muon's rate from its own sweep
 FROZEN["latent+muon"] = {**FROZEN["latent"], "muon_lr": 1.6e-2, "cfg_scale": 3.0}
+FROZEN["recipe+muon"] = dict(FROZEN["prx"])  # the PRX variant's rates (the same groups) until its own sweep
 
 
 def get_config(method=None):

@@ -9,8 +9,8 @@ from configs.recipe import common
 from configs.speedup import shared
 from reve_jax.speedup.runner import Protocol
 
-PROTOCOL = Protocol(name="gpu", steps=2000, seeds=(0, 1, 2), n_eval=512, n_final=1024, baseline="latent",
-                    methods=("recipe",), further=("pixel", "prx"))  # fmt: skip
+PROTOCOL = Protocol(name="gpu", steps=2000, n_eval=512, n_final=1024, baseline="latent",
+                    methods=("latent+muon", "recipe", "recipe+muon"), further=("pixel", "prx"))  # fmt: skip
 FROZEN = {}  # not swept yet: the config's LR (1e-3) and guidance (3) for every method
 
 MODEL = (

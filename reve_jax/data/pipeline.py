@@ -31,6 +31,7 @@ import numpy as np
 
 from reve_jax.config import CHOICES
 from reve_jax.data import shards, synthetic, tokenizer
+from reve_jax.data.synthetic import split
 
 Dataset = synthetic.SyntheticShapes | shards.ShardSource
 
@@ -239,7 +240,16 @@ def _stage_entries(data_cfg: Any) -> list[tuple[int, Any]]:
     return entries
 
 
-def _open_dataset(data_cfg: Any, what: Any) -> Dataset:
+def heldout_compositions(data_cfg: Any) -> split.Compositions:
+    """The compositions the synthetic data's training split never shows (data.heldout_frac, data.heldout_seed):
+    chosen from the palette (data.colors, data.shapes) and the split's own seed alone."""
+    shapes = tuple(data_cfg.get("shapes", ())) or synthetic.SHAPES
+    colors = tuple(data_cfg.get("colors", ())) or synthetic.COLOR_NAMES
+    frac, seed = float(data_cfg.get("heldout_frac", 0.0)), int(data_cfg.get("heldout_seed", 0))
+    return split.held_out(frac, seed, colors, shapes, synthetic.GRID**2)
+
+
+def _open_dataset(data_cfg: Any, what: Any, which: str = "train") -> Dataset:
     if data_cfg.name == "synthetic":
         # A config saved before data.render existed (an old checkpoint, a benchmark's run record) was rendered
         # fixed, with the default scene draws: read it that way.
@@ -252,8 +262,31 @@ def _open_dataset(data_cfg: Any, what: Any) -> Dataset:
             shapes=tuple(data_cfg.get("shapes", ())),
             colors=tuple(data_cfg.get("colors", ())),
             render=data_cfg.get("render", "fixed"),
+            heldout=heldout_compositions(data_cfg),
+            split=which,
         )
     return shards.ShardSource(what)
+
+
+EVAL_SPLITS = ("unseen", "seen")
+
+
+def eval_splits(data_cfg: Any) -> tuple[str, ...]:
+    """The evaluation caption sets a run's data has: unseen and seen compositions, or only seen when the run trained
+    on every composition (data.heldout_frac = 0)."""
+    return EVAL_SPLITS if heldout_compositions(data_cfg) else ("seen",)
+
+
+def eval_dataset(data_cfg: Any, which: str) -> Dataset:
+    """The synthetic data of the first stage in evaluation split `which` ("unseen": captions with a composition the
+    training never shows; "seen": training-like captions from a stream the training never reads); its samples
+    0, 1, 2, ... are the evaluation captions. Shards have no such split: evaluation needs the synthetic data."""
+    _check_name(data_cfg)
+    if data_cfg.name != "synthetic":
+        raise ValueError(f"data.name={data_cfg.name!r}: evaluation splits exist for the synthetic data only")
+    if which not in EVAL_SPLITS:
+        raise ValueError(f"unknown evaluation split {which!r}: choose one of {EVAL_SPLITS}")
+    return _open_dataset(data_cfg, _stage_entries(data_cfg)[0][1], which)
 
 
 def _check_name(data_cfg: Any) -> None:

@@ -29,6 +29,8 @@ def _data_key(cfg) -> dict:
     data = {k: cfg.data[k] for k in keys if k in cfg.data}
     if cfg.data.get("colors"):  # the palette, keyed only when restricted: the keys of full-palette caches stand
         data["colors"] = cfg.data.colors
+    if cfg.data.get("heldout_frac", 0.0):  # the compositions its training never saw; keyed only when some are
+        data["heldout"] = [cfg.data.heldout_frac, cfg.data.heldout_seed]
     data = {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
     return {"data": data, "latent": {k: v for k, v in cfg.latent.to_dict().items() if k != "path"}}
 
@@ -120,13 +122,13 @@ def reconstruct(model: autoencoder.Autoencoder, images: np.ndarray, batch: int =
 
 
 def check_reconstructions(cfg, model: autoencoder.Autoencoder, n: int = 256) -> dict:
-    """Caption alignment (data/synthetic/alignment.py) of the autoencoder's reconstructions of `n` held-out images,
-    beside the real images' own score, per attribute (`recon_<attribute>`), and the reconstruction PSNR."""
+    """Caption alignment (data/synthetic/alignment.py) of the autoencoder's reconstructions of `n` held-out images
+    (the first evaluation split: unseen compositions where the data holds some out), beside the real images' own
+    score, per attribute (`recon_<attribute>`), and the reconstruction PSNR."""
     from reve_jax.data.synthetic import alignment
-    from reve_jax.metrics import vloss
 
-    ds = pipeline.dataset_from_config(cfg.data)
-    idx = vloss.heldout_indices(ds.num_samples, n)
+    ds = pipeline.eval_dataset(cfg.data, pipeline.eval_splits(cfg.data)[0])
+    idx = range(n)
     real = np.asarray(diffusion.to_unit(np.stack([ds[int(i)]["image"] for i in idx])))
     scenes = [ds.scene(int(i)) for i in idx]
     recon = reconstruct(model, real)

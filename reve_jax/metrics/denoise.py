@@ -79,7 +79,7 @@ def probe(
         )
     if any(not 0.0 <= t < 1.0 for t in times):
         raise ValueError(f"--denoise times {tuple(times)} must lie in [0, 1) (t = 1 is the clean image)")
-    batch = vloss.heldout_batch(cfg, n)
+    batch = vloss.eval_batch(cfg, n, pipeline.eval_splits(cfg.data)[0])
     images = batch["image"]
     text = {k: batch[k] for k in ("tokens", "text_emb", "text_mask") if k in batch}
     noise, ts = vloss.fixed_inputs(images.shape, times, cfg.diffusion.noise_scale, seed)

@@ -42,6 +42,8 @@ class EvalHook:
       on_eval: called with each new point.
       n_final: the last evaluation is also made on this many captions, its metrics stored as `final_<name>`
         (None: not); the controls are not scored again there.
+      split: the caption set every evaluation scores (quality.Evaluator; default: unseen compositions where the
+        data holds some out); each point records it as "split".
     """
 
     timed = False
@@ -55,12 +57,14 @@ class EvalHook:
         evaluator_kwargs: dict | None = None,
         on_eval: Callable[[dict], None] | None = None,
         n_final: int | None = None,
+        split: str | None = None,
     ):
         self.workdir = Path(workdir)
         self.every, self.n_eval, self.seed = every, n_eval, seed
         self.kwargs = dict(evaluator_kwargs or {})
         self.on_eval = on_eval
         self.n_final = n_final
+        self.split = split
         self.path = self.workdir / "eval.jsonl"
         self.images_dir = self.workdir / "eval_images"
         self.evaluator: quality.Evaluator | None = None
@@ -82,8 +86,9 @@ class EvalHook:
             self._trim(ctx.start_step)
         if self.evaluator is None:
             self.evaluator = quality.Evaluator(
-                ctx.run.cfg, ctx.run.setup.graphdef, self.n_eval, self.seed, mesh=ctx.run.mesh, **self.kwargs
-            )
+                ctx.run.cfg, ctx.run.setup.graphdef, self.n_eval, self.seed, mesh=ctx.run.mesh, split=self.split,
+                **self.kwargs,
+            )  # fmt: skip
         wall, cpu = ctx.clock.read()
         train = ctx.host_metrics()
         point = {
@@ -93,6 +98,7 @@ class EvalHook:
             "wall_s": wall,
             "cpu_s": cpu,
             "train_loss": train["loss"],
+            "split": self.evaluator.split,
         }
         if not math.isfinite(train["loss"]):
             point["diverged"] = True
@@ -100,18 +106,19 @@ class EvalHook:
             ema = ctx.state["ema"]["ema0"]
             images = self.evaluator.generate(ema)
             point.update(self.evaluator(ema, images=images))
+            # Per caption, the checks behind the alignment scores: the benchmark resamples captions with them.
+            point["checks"] = {a: c.astype(int).tolist() for a, c in self.evaluator.last_checks.items()}
             if ctx.last and self.n_final:
                 final = quality.Evaluator(  # the controls were scored once on the n_eval captions
                     ctx.run.cfg, ctx.run.setup.graphdef, self.n_final, self.seed, mesh=ctx.run.mesh,
-                    with_controls=False, **self.kwargs,
+                    with_controls=False, split=self.evaluator.split, **self.kwargs,
                 )  # fmt: skip
                 point.update({f"final_{k}": v for k, v in final(ema).items()})
             if jax.process_index() == 0:
                 self.images_dir.mkdir(parents=True, exist_ok=True)
                 np.savez_compressed(self.images_dir / f"step_{ctx.step:07d}.npz", images=viz.to_uint8(images))
                 if ctx.last:
-                    dataset = pipeline.dataset_from_config(ctx.run.cfg.data)
-                    captions = pipeline.captions_of(dataset, self.evaluator.heldout["index"][:16])
+                    captions = pipeline.captions_of(self.evaluator.dataset, self.evaluator.heldout["index"][:16])
                     viz.save_sample_grid(self.workdir / "eval_grid.png", images[:16], captions)
         if jax.process_index() == 0:
             with self.path.open("a") as f:

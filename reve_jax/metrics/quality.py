@@ -1,9 +1,10 @@
 """Every quality metric of a set of weights, on fixed held-out captions, noise and seeds, with bootstrap intervals
 and the controls that show what each number means.
 
-`Evaluator(cfg, graphdef, n_images, seed)` samples one image per held-out caption (the last `n_images` indices of
-the dataset) with the sampler, step count and guidance of `cfg.sample`, from noise fixed by `seed`. Calling it
-returns a flat dict of floats:
+`Evaluator(cfg, graphdef, n_images, seed, split=...)` samples one image per held-out caption (the first `n_images`
+samples of an evaluation split of the data, never in the training stream: "unseen" compositions by default,
+"seen" ones beside them; pipeline.eval_dataset) with the sampler, step count and guidance of `cfg.sample`, from
+noise fixed by `seed`. Calling it returns a flat dict of floats (the caller names the split they were scored on):
 
 - align_<attribute> for background, count, position, color, shape, size, and align_overall (their mean, the
   primary metric) and align_exact (every check of the caption right): caption alignment read from the pixels
@@ -69,6 +70,8 @@ class Evaluator:
       n_boot: bootstrap resamples of the captions (0: no intervals).
       with_controls: score the control sets (once, at construction).
       reader: the alignment reader's thresholds.
+      split: the caption set (pipeline.eval_dataset): "unseen" (compositions the training never showed: the
+        default where the data holds some out) or "seen" (training-like captions the run never read).
     """
 
     def __init__(
@@ -87,14 +90,16 @@ class Evaluator:
         n_boot: int = 1000,
         with_controls: bool = True,
         reader: alignment.Reader = alignment.DEFAULT_READER,
+        split: str | None = None,
     ):
         if cfg.data.name != "synthetic":
             raise ValueError("evaluation needs the procedural dataset (data.name='synthetic'): captions are read back")
         if n_images < 2:
             raise ValueError(f"n_images={n_images}: need at least 2 captions")
         self.cfg, self.seed, self.batch, self.mesh, self.reader = cfg, seed, batch, mesh, reader
-        self.heldout = vloss.heldout_batch(cfg, n_images)
-        self.dataset = pipeline.dataset_from_config(cfg.data)
+        self.split = split or pipeline.eval_splits(cfg.data)[0]
+        self.heldout = vloss.eval_batch(cfg, n_images, self.split)
+        self.dataset = pipeline.eval_dataset(cfg.data, self.split)
         self.scenes = [self.dataset.scene(int(i)) for i in self.heldout["index"]]
         self.text = {k: self.heldout[k] for k in ("tokens", "text_emb", "text_mask") if k in self.heldout}
         self.noise = sampling.fixed_noise(cfg, n_images, seed)
@@ -116,6 +121,7 @@ class Evaluator:
             self.dino_fn = frechet.make_dinov2_fn(dinov2_path, dinov2_pool)
             self.dino_stats = frechet.gaussian_stats(self.dino_fn(real))
         self.fixed_metrics: dict[str, float] = {}
+        self.last_checks: dict[str, np.ndarray] = {}  # of the last images scored (image_metrics)
         if with_controls or feature_spec is not None:
             index = self.heldout["index"]  # without the controls only the floor's real images are drawn
             if with_controls:
@@ -169,7 +175,7 @@ class Evaluator:
         samples: dict[str, np.ndarray] = {}
         w = self.counts if intervals and self.counts is not None else None
         if alignment_too:
-            checks = self.checks(images)
+            checks = self.last_checks = self.checks(images)
             out.update(alignment.summarize(checks))
             if w is not None:
                 samples.update(bootstrap.alignment_samples(checks, w))

@@ -1,12 +1,16 @@
 """Scoring a run's checkpoint (scripts/evaluate.py): restore its EMA weights with the config saved beside them,
 run the Evaluator on n held-out captions, and write what it found.
 
+Every number names its caption set: "unseen" (captions with a composition the run never trained on: what the model
+generalizes to, the headline) and "seen" (training-like captions from a stream the run never read: fit).
 Outputs, under <workdir>/evaluation/ unless told otherwise:
-- step_<N>.json: {"workdir", "step", "n", "seed", "config", "metrics" (the Evaluator's flat dict: alignment per
-  attribute with 95% bootstrap intervals, KID and its floor, the controls, v-loss), "feature_net" (its
-  held-out per-object accuracy), "captions": [{"index", "caption", "checks": {attribute: [passed, total]}}]};
-  with `regions`, also "regions": the KID with each region around the objects given back its real pixels;
-- step_<N>.png: the first `grid` generated images with their captions, each caption's checks marked.
+- step_<N>.json: {"workdir", "step", "n", "seed", "config", "heldout_compositions", "splits": {split: {"metrics"
+  (the Evaluator's flat dict: alignment per attribute, align_exact and align_overall with 95% bootstrap
+  intervals, KID and its floor, the controls, v-loss), "captions": [{"index", "caption", "checks": {attribute:
+  [passed, total]}}]}}, "feature_net" (its held-out per-object accuracy)}; with `regions`, also "regions": the KID
+  with each region around the objects given back its real pixels (first split);
+- step_<N>.png: the first `grid` generated images of the first split with their captions, each caption's checks
+  marked.
 
 With `denoise_checkpoint` (scripts/evaluate.py --denoise): denoise_step_<N>.json (the table of denoise.py, with
 "workdir", "step", "n", "seed", "times") and denoise_step_<N>.png (its grid, 4x enlarged).
@@ -24,6 +28,7 @@ import numpy as np
 from PIL import Image
 
 from reve_jax import cli, config, viz
+from reve_jax.data import pipeline
 from reve_jax.data.synthetic import alignment
 from reve_jax.metrics import denoise, quality
 from reve_jax.metrics import regions as regions_lib
@@ -40,11 +45,13 @@ def score_checkpoint(
     log=print,
     sample: dict | None = None,
     regions: bool = False,
+    splits: tuple[str, ...] | None = None,
     **evaluator_kwargs,
 ) -> tuple[dict, Path, Path]:
-    """Scores checkpoint `step` (default: the newest) of `workdir` on `n` held-out captions with noise `seed`;
-    `sample` overrides keys of the run's `sample` section (sampler, steps, cfg_scale: how the images are drawn, e.g.
-    {"steps": 48}); `regions`: also the KID with each region around the objects given back its real pixels
+    """Scores checkpoint `step` (default: the newest) of `workdir` on `n` captions of each evaluation split in
+    `splits` (default: unseen and seen compositions, pipeline.eval_splits) with noise `seed`; `sample` overrides
+    keys of the run's `sample` section (sampler, steps, cfg_scale: how the images are drawn, e.g. {"steps": 48});
+    `regions`: also the KID with each region around the objects given back its real pixels, on the first split
     (regions.py; the JSON's "regions"); `evaluator_kwargs` go to quality.Evaluator (n_boot, cache_dir,
     dinov2_path, ...). Writes the JSON and the PNG described in the module docstring (with the overrides in their
     names); returns (the JSON's content, its path, the PNG's path)."""
@@ -56,26 +63,37 @@ def score_checkpoint(
         for k, v in sample.items():
             config.apply_override(cfg, f"sample.{k}={v!r}")
         config.validate(cfg)
-    log(f"restored step {step} of {workdir} ({time.perf_counter() - t0:.1f}s); scoring {n} captions")
-    ev = quality.Evaluator(cfg, graphdef, n, seed, mesh=mesh, **evaluator_kwargs)
-    images = ev.generate(ema)
-    metrics = ev(ema, images=images)
-    checks = ev.checks(images)
-    rows = [{a: [int(v) for v in checks[a][i]] for a in alignment.ATTRIBUTES} for i in range(n)]
-    captions = [ev.dataset.caption(int(i)) for i in ev.heldout["index"]]
+    splits = tuple(splits or pipeline.eval_splits(cfg.data))
+    log(f"restored step {step} of {workdir} ({time.perf_counter() - t0:.1f}s); scoring {n} captions of {splits}")
     result = {
         "workdir": str(workdir),
         "step": step,
         "n": n,
         "seed": seed,
         "config": json.loads(config.to_json(cfg)),
-        "metrics": metrics,
-        "feature_net": ev.feature_info and {k: v for k, v in ev.feature_info.items() if k.startswith("test_")},
-        "captions": [
-            {"index": int(i), "caption": c, "checks": r}
-            for i, c, r in zip(ev.heldout["index"], captions, rows, strict=True)
-        ],
+        "heldout_compositions": pipeline.heldout_compositions(cfg.data).describe(),
+        "splits": {},
     }
+    first = None
+    for name in splits:
+        ev = quality.Evaluator(cfg, graphdef, n, seed, mesh=mesh, split=name, **evaluator_kwargs)
+        images = ev.generate(ema)
+        metrics = ev(ema, images=images)
+        checks = ev.checks(images)
+        rows = [{a: [int(v) for v in checks[a][i]] for a in alignment.ATTRIBUTES} for i in range(n)]
+        captions = [ev.dataset.caption(int(i)) for i in ev.heldout["index"]]
+        result["splits"][name] = {
+            "metrics": metrics,
+            "captions": [
+                {"index": int(i), "caption": c, "checks": r}
+                for i, c, r in zip(ev.heldout["index"], captions, rows, strict=True)
+            ],
+        }
+        result["feature_net"] = ev.feature_info and {k: v for k, v in ev.feature_info.items() if k.startswith("test_")}
+        log(f"{name} compositions, {n} captions:\n{summary_line(metrics)}")
+        if first is None:
+            first = (ev, images, captions, rows)
+    ev, images, captions, rows = first
     if regions:
         result["regions"] = regions_lib.by_region(ev, images)
     result["elapsed_s"] = time.perf_counter() - t0
@@ -86,7 +104,6 @@ def score_checkpoint(
     json_path.write_text(json.dumps(result, indent=1))
     k = min(grid, n)
     viz.save_checked_grid(png_path, images[:k], captions[:k], [{a: tuple(r[a]) for a in r} for r in rows[:k]])
-    log(summary_line(metrics))
     if regions:
         log(regions_lib.format_table(result["regions"]))
     return result, json_path, png_path
@@ -129,8 +146,8 @@ def summary_line(m: dict) -> str:
         interval = f" [{fmt.format(lo)}, {fmt.format(hi)}]" if np.isfinite(lo) and np.isfinite(hi) else ""
         return f"{name} {fmt.format(m[name])}{interval}"
 
-    parts = [ci(f"align_{a}") for a in (*alignment.ATTRIBUTES, "overall", "exact")]
-    lines = ["  ".join(parts[:4]), "  ".join(parts[4:])]
+    attrs = [ci(f"align_{a}") for a in alignment.ATTRIBUTES]
+    lines = ["  ".join([ci("align_exact"), ci("align_overall")]), "  ".join(attrs[:3]), "  ".join(attrs[3:])]
     if "kid" in m:
         lines.append(f"{ci('kid', '{:.4f}')}  floor {ci('kid_floor', '{:.4f}').removeprefix('kid_floor ')}")
     ctrl = [
@@ -173,6 +190,11 @@ def main(argv=None, doc: str = __doc__):
         help="the sampler's x-prediction clamp, sample.t_eps: 0 exact, -1 training's (default: the run's)",
     )
     parser.add_argument(
+        "--splits",
+        default=None,
+        help="comma-separated caption sets: unseen, seen (default: both, or seen for a run that held nothing out)",
+    )
+    parser.add_argument(
         "--regions",
         action="store_true",
         help="also the KID with each region around the objects given back its real pixels (data.render='fixed')",
@@ -203,6 +225,7 @@ def main(argv=None, doc: str = __doc__):
         dinov2_path=args.dinov2,
         sample={"sampler": args.sampler, "steps": args.steps, "cfg_scale": args.cfg_scale, "t_eps": args.t_eps},
         regions=args.regions,
+        splits=tuple(args.splits.split(",")) if args.splits else None,
     )
     print(json_path)
     print(png_path)

@@ -23,17 +23,13 @@ from reve_jax.data import pipeline
 DEFAULT_TIMES = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
-def heldout_indices(num_samples: int, n: int) -> np.ndarray:
-    """The last `n` indices of a dataset of `num_samples`: int64 [n]."""
-    if not 0 < n <= num_samples:
-        raise ValueError(f"need 0 < n={n} <= num_samples={num_samples}")
-    return np.arange(num_samples - n, num_samples, dtype=np.int64)
-
-
-def heldout_batch(cfg, n: int) -> dict[str, np.ndarray]:
-    """The held-out samples of `cfg.data`: {"image" f32 [n,S,S,3] in [-1,1], "index", and the text inputs}."""
-    ds = pipeline.dataset_from_config(cfg.data)
-    idx = heldout_indices(ds.num_samples, n)
+def eval_batch(cfg, n: int, split: str = "unseen") -> dict[str, np.ndarray]:
+    """The first `n` samples of evaluation split `split` of `cfg.data` (pipeline.eval_dataset: never in the training
+    stream): {"image" f32 [n,S,S,3] in [-1,1], "index", and the text inputs}."""
+    ds = pipeline.eval_dataset(cfg.data, split)
+    if not 0 < n <= ds.num_samples:
+        raise ValueError(f"need 0 < n={n} <= data.num_samples={ds.num_samples}")
+    idx = np.arange(n, dtype=np.int64)
     images = np.asarray(diffusion.to_unit(np.stack([ds[int(i)]["image"] for i in idx])))
     text = pipeline.text_inputs_of(ds, idx, cfg.text.max_len, cfg.text.encoder == "precomputed")
     return {"image": images, "index": idx, **text}
@@ -87,12 +83,20 @@ def make_vloss_fn(cfg, graphdef) -> Callable:
 
 
 def heldout_vloss(
-    cfg, params, graphdef, n: int, seed: int, times: Sequence[float] = DEFAULT_TIMES, fn=None, batch=None
+    cfg,
+    params,
+    graphdef,
+    n: int,
+    seed: int,
+    times: Sequence[float] = DEFAULT_TIMES,
+    fn=None,
+    batch=None,
+    split: str = "unseen",
 ) -> dict[str, float]:
-    """Held-out v-loss of `params` on the last `n` samples, noise from `seed`. `fn` (from make_vloss_fn) and
-    `batch` (from heldout_batch) may be passed to reuse them. Returns {"vloss": mean over times,
-    "vloss_t<t>": per time}."""
-    batch = heldout_batch(cfg, n) if batch is None else batch
+    """Held-out v-loss of `params` on the first `n` samples of evaluation split `split`, noise from `seed`. `fn`
+    (from make_vloss_fn) and `batch` (from eval_batch) may be passed to reuse them. Returns {"vloss": mean over
+    times, "vloss_t<t>": per time}."""
+    batch = eval_batch(cfg, n, split) if batch is None else batch
     fn = make_vloss_fn(cfg, graphdef) if fn is None else fn
     shape = (len(batch["image"]), *model_shape(cfg, batch["image"].shape[1:3]))
     noise, ts = fixed_inputs(shape, times, cfg.diffusion.noise_scale, seed)

@@ -29,13 +29,13 @@ def dry_run(size, methods, extra: tuple[str, ...], args) -> None:
     lr = size.sweep_lrs[0] if args.sweep else None  # a sweep run's config: the grid's first rate
     for method in dict.fromkeys(methods if args.sweep else (size.baseline, *methods)):
         try:
-            cfg = protocol.build_config(size, method, size.seeds[0], extra, lr, args.rate)
+            cfg = protocol.build_config(size, method, size.seeds[0], extra, lr, args.rate or "lr")
         except (config.ConfigError, ValueError) as e:
             raise SystemExit(f"config error ({method}): {e}") from None
         mesh = cli.check_mesh_or_exit(cfg)
     what = (
-        f"sweep {args.rate} {list(size.sweep_lrs)} and guidance {list(size.cfg_scales)} of {', '.join(methods)} on "
-        f"seeds {list(size.seeds if args.seeds else size.seeds[:1])}"
+        f"sweep {args.rate or 'every rate'} {list(size.sweep_lrs)} and guidance {list(size.cfg_scales)} of "
+        f"{', '.join(methods)} on seeds {list(size.seeds if args.seeds else size.tune_seeds)}"
         if args.sweep
         else f"train {size.baseline} and {', '.join(methods)} on seeds {list(size.seeds)}"
     )
@@ -56,13 +56,14 @@ def main(argv=None, doc: str = __doc__):
     )
     p.add_argument(
         "--rate",
-        default="lr",
+        default=None,
         choices=protocol.RATES,
-        help="the rate the sweep varies: lr (the main group's) or muon_lr (Muon's, lr kept frozen)",
+        help="sweep one rate only: lr (the main group's) or muon_lr (Muon's, lr kept frozen); default: every rate "
+        "of each method, the same way (lr, then a Muon arm's muon_lr with lr at its winner)",
     )
     p.add_argument("--grid", help="comma-separated rates the sweep starts from (default: the size's sweep_lrs)")
     p.add_argument("--baseline", help="time the methods against this one (default: the size's baseline)")
-    p.add_argument("--seeds", help="comma-separated seeds (default: the size's; the sweep's: the size's first)")
+    p.add_argument("--seeds", help="comma-separated seeds (default: the size's; the sweep's: its tuning seeds)")
     p.add_argument("--steps", type=int, help="training steps per run (default: the size's)")
     p.add_argument("--evals", type=int, help="evaluations per run (default: the size's)")
     p.add_argument("--n-eval", type=int, help="held-out captions per evaluation (default: the size's)")
@@ -113,11 +114,14 @@ def main(argv=None, doc: str = __doc__):
     kwargs["evaluator_kwargs"] = {"dinov2_path": args.dinov2} if args.dinov2 else None
     try:
         if args.sweep:
-            seeds = size.seeds if args.seeds else None  # the sweep's seeds: those given, else the size's first
-            result = sweeps.sweep(size, out, methods or (size.baseline, *size.methods), rate=args.rate, seeds=seeds,
-                                   **kwargs)  # fmt: skip
-            print("freeze in the size file: FROZEN = " + repr({m: {args.rate: r[args.rate], "cfg_scale": r["cfg_scale"]}
-                                                              for m, r in result.items()}))  # fmt: skip
+            seeds = size.seeds if args.seeds else None  # the sweep's seeds: those given, else the tuning seeds
+            names = methods or (size.baseline, *size.methods)
+            if args.rate:
+                result = sweeps.sweep(size, out, names, rate=args.rate, seeds=seeds, **kwargs)
+            else:
+                result = sweeps.sweep_all(size, out, names, seeds=seeds, **kwargs)
+            frozen = {m: {k: r[k] for k in ("lr", "muon_lr", "cfg_scale") if k in r} for m, r in result.items()}
+            print("freeze in the size file: FROZEN = " + repr(frozen))
             return
         runner.run_benchmark(size, out, methods=methods, **kwargs)
     except runner.RunStopped as e:

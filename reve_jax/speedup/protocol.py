@@ -20,20 +20,27 @@ PRIMARY = "align_overall"
 class Protocol:
     """A benchmark size's protocol (see the module docstring); the run configs come from the same file.
 
-    steps: the budget of every run; evals: evaluations over it (every steps/evals steps); n_eval / n_final: held-out
-    captions per evaluation / at the end; seeds; baseline: the method the others are timed against; methods: the
-    headline comparison; further: the other methods of the size (baseline B, the PRX variant, ablations), run by
-    their own command; sweep_lrs: the LR grid the sweep starts from; cfg_scales: the guidance scales it tries;
-    gate_final / gate_gain: the validity gate; min_recon_align: the autoencoder's reconstruction check."""
+    steps: the budget of every run; evals: evaluations over it (every steps/evals steps); n_eval / n_final: captions
+    of the `split` compositions (unseen: never in the training stream) per evaluation / at the end; seeds: the
+    headline's (fresh: never a tuning seed); tune_seeds and tune_eval_seed: the sweeps' seeds and evaluation noise,
+    so nothing chosen on a seed is reported on it; baseline: the method the others are timed against; methods: the
+    headline comparison (the 2x2 of {latent DiT, JIT-DDT recipe} x {AdamW, Muon}); further: the other methods of
+    the size (baseline B, the PRX variant, ablations), run by their own command; sweep_lrs: the LR grid every
+    method's sweep starts from (each rate of a Muon arm too); cfg_scales: the guidance scales every method tries;
+    gate_final / gate_gain: the per-seed validity gate (analysis.py); min_recon_align: the autoencoder's
+    reconstruction check."""
 
     name: str
     steps: int
-    seeds: tuple[int, ...] = (0, 1, 2)
+    seeds: tuple[int, ...] = (10, 11, 12, 13, 14)  # fresh: seeds 0-2 chose rates under the earlier protocol
+    tune_seeds: tuple[int, ...] = (100, 101)
+    tune_eval_seed: int = 5321
+    split: str = "unseen"
     evals: int = 20
     n_eval: int = 256
     n_final: int = 512
     baseline: str = "latent"
-    methods: tuple[str, ...] = ("recipe",)
+    methods: tuple[str, ...] = ("latent+muon", "recipe", "recipe+muon")
     further: tuple[str, ...] = ()
     sweep_lrs: tuple[float, ...] = (5e-4, 1e-3, 2e-3, 4e-3)
     cfg_scales: tuple[float, ...] = (1.5, 3.0, 5.0)
@@ -46,6 +53,15 @@ class Protocol:
     @property
     def eval_every(self) -> int:
         return max(1, self.steps // self.evals)
+
+    def check_seeds(self, seeds) -> None:
+        """A headline on a tuning seed would report what was chosen on it: refuse."""
+        both = sorted(set(seeds) & set(self.tune_seeds))
+        if both:
+            raise ValueError(
+                f"seeds {both} are tuning seeds of size {self.name} (tune_seeds {list(self.tune_seeds)}): the "
+                "headline runs on fresh seeds, so that nothing chosen on a seed is reported on it"
+            )
 
 
 def load_protocol(path: str | Path) -> Protocol:

@@ -8,6 +8,8 @@ import gc
 import hashlib
 import json
 import math
+import os
+import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +23,7 @@ from reve_jax.data import pipeline
 from reve_jax.data.synthetic import alignment
 from reve_jax.latent import training as latent_training
 from reve_jax.metrics import hook
-from reve_jax.speedup import target
+from reve_jax.speedup import analysis
 from reve_jax.speedup.protocol import PRIMARY, Protocol, build_config, machine, same_config
 from reve_jax.speedup.report import write_outputs
 
@@ -72,7 +74,7 @@ def count_flops(rec: dict, step_flops: float) -> dict:
 
 
 def train_run(cfg, workdir: str | Path, eval_every: int, n_eval: int, eval_seed: int, evaluator_kwargs=None,
-              on_eval=None, n_final: int | None = None) -> dict:  # fmt: skip
+              on_eval=None, n_final: int | None = None, split: str | None = None) -> dict:  # fmt: skip
     """Trains `cfg` in `workdir` with the trainer (resuming what a killed benchmark left there), evaluating the EMA
     weights every `eval_every` steps and at the end (metrics/hook.py; the last evaluation also on `n_final` captions).
 
@@ -82,7 +84,8 @@ def train_run(cfg, workdir: str | Path, eval_every: int, n_eval: int, eval_seed:
     outputs ready."""
     from reve_jax.train import trainer
 
-    ev = hook.EvalHook(workdir, eval_every, n_eval, eval_seed, evaluator_kwargs, on_eval, n_final=n_final)
+    ev = hook.EvalHook(workdir, eval_every, n_eval, eval_seed, evaluator_kwargs, on_eval, n_final=n_final,
+                       split=split)  # fmt: skip
     diverged, step_flops = None, float("nan")
     try:
         summary = trainer.run(cfg, workdir, extra_hooks=[ev])
@@ -133,10 +136,13 @@ class Runner:
         self.cache_dir = Path(cache_dir) if cache_dir else self.out / "cache"
         self.ev_kwargs = {"cache_dir": self.cache_dir, **(evaluator_kwargs or {})}
         self.autoencoders: dict[str, dict] = {}
+        self.invocation = f"{platform.node()}-{os.getpid()}-{time.time():.0f}"  # runs trained by this Runner
         (self.out / "runs").mkdir(parents=True, exist_ok=True)
 
     def run(self, method: str, seed: int, lr: float | None = None, *, evals: int | None = None,
-            rate: str = "lr") -> dict:  # fmt: skip
+            rate: str = "lr", tuning: bool = False) -> dict:  # fmt: skip
+        """One run (reused when a finished record of the same config exists). `tuning`: a sweep's run, evaluated
+        with the size's tuning noise seed (tune_eval_seed) instead of the headline's."""
         size = self.size if evals is None else dataclasses.replace(self.size, evals=evals)
         key = _run_key(size, method, seed, self.extra, lr, rate) + ("" if evals is None else f"-e{evals}")
         path = self.out / "runs" / f"{key}.json"
@@ -148,7 +154,7 @@ class Runner:
             rec = json.loads(path.read_text())
             if same_config(rec.get("config"), cfg) and complete(rec, size.steps):
                 self.log(f"[{key}] reused from {path}")
-                return rec
+                return dict(rec, reused=rec.get("invocation") != self.invocation)
         workdir = self.out / "runs" / key
         if (workdir / "config.json").exists() and not same_config((workdir / "config.json").read_text(), cfg):
             raise RuntimeError(f"{workdir} holds a run of another config: move it away or use another --out")
@@ -167,36 +173,56 @@ class Runner:
 
         record = {"machine_start": machine()}
         record.update(
-            train_run(cfg, workdir, size.eval_every, size.n_eval, size.eval_seed, self.ev_kwargs, on_eval,
-                      n_final=size.n_final)
+            train_run(cfg, workdir, size.eval_every, size.n_eval, size.tune_eval_seed if tuning else size.eval_seed,
+                      self.ev_kwargs, on_eval, n_final=size.n_final, split=size.split)
         )  # fmt: skip
         record["machine_end"] = machine()
         _pack_images(workdir, self.out / "runs" / f"{key}.npz", size, cfg)
         gc.collect()  # the input pipeline's reader threads of the finished run must not compete with the next
         record.update(method=method, seed=seed, lr=cfg.optim.lr, muon_lr=cfg.optim.muon_lr,
-                      cfg_scale=cfg.sample.cfg_scale, config=config_lib.to_json(cfg))  # fmt: skip
+                      cfg_scale=cfg.sample.cfg_scale, config=config_lib.to_json(cfg),
+                      invocation=self.invocation)  # fmt: skip
         path.write_text(json.dumps(record))
-        return record
+        return dict(record, reused=False)
 
 
 def _pack_images(workdir: Path, dest: Path, size: Protocol, cfg) -> None:
-    """Every evaluation's images of a run in one .npz (keys step_<n>, and the held-out `index`) for `rescore`."""
-    from reve_jax.metrics import vloss
-
+    """Every evaluation's images of a run in one .npz (keys step_<n>, the evaluation split's `index` and `split`)
+    for `rescore`."""
     images = hook.load_images(workdir)
-    index = vloss.heldout_indices(cfg.data.num_samples, size.n_eval)
-    np.savez_compressed(dest, index=index, **{f"step_{k}": v for k, v in images.items()})
+    split = hook.read_points(Path(workdir) / "eval.jsonl")[-1].get("split", "seen")
+    index = np.arange(size.n_eval, dtype=np.int64)
+    np.savez_compressed(dest, index=index, split=split, **{f"step_{k}": v for k, v in images.items()})
 
 
 def summarize(size: Protocol, runs: list[dict]) -> dict:
-    """The analysis of a comparison: the gate, paired speedups per metric, finals with intervals."""
-    ok, why = target.gate(runs, size.baseline, PRIMARY, size.gate_final, size.gate_gain)
-    metrics = ("align_overall", "align_exact", "kid", "final_align_overall", "final_kid", "vloss")
+    """The analysis of a comparison (analysis.py): the per-seed gate, the time to the baseline's plateau on the
+    primary metric with intervals over seeds and captions, and every method's final values."""
+    metrics = ("align_overall", "align_exact", "kid", "vloss")
     return {
-        "gate": {"ok": ok, "why": why},
-        "paired": {m: target.paired(runs, size.baseline, m) for m in ("align_overall", "kid") if _has(runs, m)},
-        "finals": target.finals(runs, tuple(m for m in metrics if _has(runs, m))),
+        "time_to_target": analysis.analyze(
+            runs, size.baseline, PRIMARY, size.steps, gate_final=size.gate_final, gate_gain=size.gate_gain
+        ),  # fmt: skip
+        "finals": analysis.finals(runs, tuple(m for m in metrics if _has(runs, m))),
     }
+
+
+def one_time_costs(runner: Runner, methods) -> dict:
+    """The one-time costs behind the methods' runs, in seconds of training on the machine that paid them: each
+    latent method's autoencoder, and the feature network REPA's target comes from (perceptual/shapes.py
+    TRAINING_SPEC, trained apart from the metrics' network). {name: {"seconds", "methods", "machine"}}."""
+    out = {}
+    for path, info in runner.autoencoders.items():
+        users = [m for m in methods if build_config(runner.size, m, runner.size.seeds[0], runner.extra).latent.path]
+        out[f"autoencoder {Path(path).name}"] = {"seconds": info.get("train_s"), "methods": users,
+                                                 "machine": info.get("machine")}  # fmt: skip
+    repa = [m for m in methods if build_config(runner.size, m, runner.size.seeds[0], runner.extra).loss.repa_weight]
+    if repa:
+        from reve_jax.perceptual import shapes
+
+        _, info = shapes.get_feature_net(shapes.TRAINING_SPEC)
+        out["REPA target network"] = {"seconds": info.get("train_s"), "methods": repa, "machine": None}
+    return out
 
 
 def _has(runs, metric) -> bool:
@@ -210,6 +236,7 @@ def run_benchmark(size: Protocol, out_dir, *, methods=None, extra=(), cache_dir=
     speedup.png), reusing finished runs. Returns the results dict."""
     if not size.config:
         raise ValueError("the protocol has no config file: load it with speedup.load_protocol(path)")
+    size.check_seeds(size.seeds)
     out = Path(out_dir)
     runner = Runner(size, out, extra, cache_dir, evaluator_kwargs, log)
     methods = tuple(methods or size.methods)
@@ -225,6 +252,8 @@ def run_benchmark(size: Protocol, out_dir, *, methods=None, extra=(), cache_dir=
             "elapsed_s": time.perf_counter() - t_start,
             "machine": machine(),
             "autoencoders": runner.autoencoders,
+            "one_time": one_time_costs(runner, methods=(size.baseline, *methods)),
+            "split": size.split,
             "summary": summarize(size, runs),
             "runs": runs,
         }
@@ -261,8 +290,8 @@ def rescore(out_dir: str | Path, log: Callable[[str], None] = print) -> dict:
         if rec["method"] not in step_flops:
             step_flops[rec["method"]] = executed_step_flops(cfg)
         count_flops(rec, step_flops[rec["method"]])
-        ds = pipeline.dataset_from_config(cfg.data)
         with np.load(npz) as saved:
+            ds = pipeline.eval_dataset(cfg.data, str(saved["split"]))
             scenes = [ds.scene(int(i)) for i in saved["index"]]
             for point in rec["curve"]:
                 point.update(alignment.score(saved[f"step_{point['step']}"], scenes))

@@ -26,16 +26,17 @@ def sweep(
     seeds: tuple[int, ...] | None = None,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """For each method, on `seeds` (default: the size's first): the LR grid (each run evaluated at the end only;
-    a rate's score is its mean over the seeds), extended by factors of 2 while the best LR sits at an edge (at most
-    `max_extend` times), then the guidance scales on the winner's final EMA weights (mean over the seeds). Two seeds
-    choose a rate that holds on both where one seed may pick a rate at the edge of stability. `rate` is the
-    optimizer rate the grid varies (RATES: "muon_lr" sweeps Muon's group with the main group at its frozen rate).
-    Writes <out>/sweep.json ({method: ...}, or {method@muon_lr: ...}) and returns {method: {rate: best,
-    "cfg_scale", "grid": {lr: mean align}, "per_seed": {seed: {lr: align}}, ...}}."""
+    """For each method, on `seeds` (default: the size's tuning seeds, never the headline's): the grid of `rate`
+    (each run evaluated at the end only, with the tuning noise seed; a rate's score is its mean over the seeds),
+    extended by factors of 2 while the best sits at an edge (at most `max_extend` times), then the guidance scales
+    on the winner's final EMA weights (mean over the seeds). Two seeds choose a rate that holds on both where one
+    seed may pick a rate at the edge of stability. `rate` is one of RATES ("muon_lr" sweeps Muon's group with the
+    main group at its frozen rate; sweep_all chains both). Writes <out>/sweep.json ({method: ...}, or
+    {method@muon_lr: ...}) and returns {method: {rate: best, "cfg_scale", "grid": {rate: mean align}, "per_seed":
+    {seed: {rate: align}}, "runs", ...}}."""
     out = Path(out_dir)
     runner = Runner(size, out, extra, cache_dir, evaluator_kwargs, log)
-    seeds = tuple(seeds or size.seeds[:1])
+    seeds = tuple(seeds or size.tune_seeds)
     result = {}
     for method in methods:
         frozen = build_config(size, method, seeds[0], extra)  # the incumbent rate and scale win exact ties
@@ -45,7 +46,7 @@ def sweep(
             for lr in grid:
                 for seed in seeds:
                     if lr not in per_seed[seed]:
-                        rec = runner.run(method, seed, lr, evals=1, rate=rate)
+                        rec = runner.run(method, seed, lr, evals=1, rate=rate, tuning=True)
                         per_seed[seed][lr] = rec["curve"][-1][PRIMARY] if rec["curve"] else float("-inf")
             scores = {lr: float(np.mean([per_seed[seed][lr] for seed in seeds])) for lr in per_seed[seeds[0]]}
             best = pick(scores, getattr(frozen.optim, rate))
@@ -61,6 +62,7 @@ def sweep(
         by_seed = [guidance_scores(out / "runs" / key, size) for key in keys]
         scales = {k: float(np.mean([g[k] for g in by_seed])) for k in by_seed[0]}
         r = result[method] = {rate: best, "inside_grid": inside, "grid": _by_rate(scores), "seeds": list(seeds),
+                              "runs": sum(len(d) for d in per_seed.values()),
                               "per_seed": {seed: _by_rate(d) for seed, d in per_seed.items()},
                               "cfg_scale": float(pick(scales, f"{frozen.sample.cfg_scale:g}")),
                               "cfg_scores": scales}  # fmt: skip
@@ -70,6 +72,28 @@ def sweep(
         saved = json.loads(path.read_text()) if path.exists() else {}
         saved.update({(m if rate == "lr" else f"{m}@{rate}"): r for m, r in result.items()})
         path.write_text(json.dumps(saved, indent=1))
+    return result
+
+
+def sweep_all(size: Protocol, out_dir, methods, *, extra=(), log: Callable[[str], None] = print, **kwargs) -> dict:
+    """The same sweep for every method (equal effort): its main (AdamW) rate on the grid, then, for a Muon arm,
+    Muon's rate on the same grid with the main rate at its winner, then the guidance scales on the last winner; each
+    rate's grid extended alike while its winner sits at an edge. Returns {method: {"lr", "muon_lr"?, "cfg_scale",
+    "runs", "sweeps": {rate: the sweep's record}}}."""
+    result = {}
+    for method in methods:
+        first = sweep(size, out_dir, [method], extra=extra, log=log, rate="lr", **kwargs)[method]
+        row = {"lr": first["lr"], "cfg_scale": first["cfg_scale"], "runs": first["runs"], "sweeps": {"lr": first}}
+        if build_config(size, method, size.tune_seeds[0], tuple(extra)).optim.name == "muon":
+            pinned = (*extra, f"optim.lr={first['lr']!r}")
+            second = sweep(size, out_dir, [method], extra=pinned, log=log, rate="muon_lr", **kwargs)[method]
+            row.update(muon_lr=second["muon_lr"], cfg_scale=second["cfg_scale"], runs=row["runs"] + second["runs"])
+            row["sweeps"]["muon_lr"] = second
+        result[method] = row
+        log(
+            f"sweep {method}: {', '.join(f'{k} {row[k]:g}' for k in ('lr', 'muon_lr', 'cfg_scale') if k in row)} "
+            f"({row['runs']} runs)"
+        )
     return result
 
 
@@ -99,6 +123,7 @@ def guidance_scores(workdir: Path, size: Protocol) -> dict[str, float]:
     for scale in size.cfg_scales:
         c = config_lib.from_json(config_lib.to_json(cfg))
         config_lib.apply_override(c, f"sample.cfg_scale={scale!r}")
-        ev = quality.Evaluator(c, graphdef, size.n_eval, size.eval_seed, feature_spec=None, mesh=mesh)
+        ev = quality.Evaluator(c, graphdef, size.n_eval, size.tune_eval_seed, feature_spec=None, mesh=mesh,
+                               split=size.split)  # fmt: skip
         out[f"{scale:g}"] = ev(ema)[PRIMARY]
     return out

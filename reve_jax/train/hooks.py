@@ -115,20 +115,24 @@ class LogHook:
         self.writer.close()
 
 
-def sample_prompts(cfg, dataset, n: int) -> tuple[list[str], dict]:
-    """Captions and text inputs for the sample grid: the last `n` samples of the first stage's dataset (fixed
-    for the whole run); precomputed embeddings come from the records."""
-    idx = np.arange(dataset.num_samples - n, dataset.num_samples)
+def sample_prompts(cfg, dataset, n: int, index=None) -> tuple[list[str], dict]:
+    """Captions and text inputs of samples `index` of `dataset` (default: its last `n`, fixed for the whole run);
+    precomputed embeddings come from the records."""
+    idx = np.arange(dataset.num_samples - n, dataset.num_samples) if index is None else np.asarray(index)
     text = pipeline.text_inputs_of(dataset, idx, cfg.text.max_len, cfg.text.encoder == "precomputed")
     return pipeline.captions_of(dataset, idx), text
 
 
 class SampleHook:
-    """Every train.sample_every steps and at the end: images of the last held-out captions of the data from fixed
-    noise; a grid of `sample.num` of them in <workdir>/samples/step_<n>.png. On the procedural dataset the reader
-    (data/synthetic/alignment.py) also scores `sample.score_num` of them against their captions: per-attribute
-    alignment goes to metrics.jsonl and TensorBoard (`sample/align_*`), the grid marks each caption's checks, and
-    the last scores stay in `self.scores` (the trainer's summary)."""
+    """Every train.sample_every steps and at the end: images for fixed captions from fixed noise, a grid of
+    `sample.num` of them in <workdir>/samples/step_<n>.png.
+
+    On the synthetic data the captions come from its evaluation splits (never in the training stream;
+    pipeline.eval_dataset): the grid shows the first split's (unseen compositions where the data holds some out),
+    and the reader (data/synthetic/alignment.py) scores `sample.score_num` captions of every split: per-attribute
+    alignment goes to metrics.jsonl and TensorBoard (`sample/<split>/align_*`), the grid marks each caption's
+    checks, and the last scores stay in `self.scores` ({split: scores}, the trainer's summary). On shards the
+    captions are the dataset's last samples, and nothing is scored."""
 
     timed = False
 
@@ -137,13 +141,20 @@ class SampleHook:
         self.cfg = run.cfg
         self.beat = beat or (lambda step, phase="train": None)
         self.fn = sampling.make_sampler(self.cfg, run.setup.graphdef)
-        dataset = run.stages[0].dataset
-        scored = self.cfg.sample.score_num > 0 and hasattr(dataset, "scene")  # captions checkable from pixels
-        n = max(self.cfg.sample.num, self.cfg.sample.score_num) if scored else self.cfg.sample.num
-        self.captions, self.text = sample_prompts(self.cfg, dataset, n)
-        first = dataset.num_samples - n
-        self.scenes = [dataset.scene(first + i) for i in range(n)] if scored else None
-        self.scores: dict[str, float] = {}
+        s = self.cfg.sample
+        self.sets: dict[str, tuple] = {}  # split -> (captions, text, scenes or None)
+        if self.cfg.data.name == "synthetic":
+            for i, name in enumerate(pipeline.eval_splits(self.cfg.data)):
+                n = max(s.num, s.score_num) if i == 0 else s.score_num
+                if n == 0:
+                    continue
+                ds = pipeline.eval_dataset(self.cfg.data, name)
+                captions, text = sample_prompts(self.cfg, ds, n, index=range(n))
+                self.sets[name] = (captions, text, [ds.scene(j) for j in range(n)] if s.score_num else None)
+        else:
+            captions, text = sample_prompts(self.cfg, run.stages[0].dataset, s.num)
+            self.sets["last"] = (captions, text, None)
+        self.scores: dict[str, dict[str, float]] = {}
 
     def due(self, ctx) -> bool:
         return (_every(ctx.step, self.cfg.train.sample_every) and not ctx.last) or (ctx.last and ctx.stop is None)
@@ -152,22 +163,30 @@ class SampleHook:
         from reve_jax.data.synthetic import alignment
 
         self.beat(ctx.step, "sampling")
-        images = render(self.run, ctx.state, self.fn, self.text, ctx.step)
-        grid = slice(len(images) - self.cfg.sample.num, len(images))  # the grid: the last sample.num captions
         path = self.workdir / "samples" / f"step_{ctx.step:07d}.png"
-        if self.scenes is None:
-            if jax.process_index() == 0:
+        for i, (name, (captions, text, scenes)) in enumerate(self.sets.items()):
+            images = render(self.run, ctx.state, self.fn, text, ctx.step)
+            grid = slice(0, self.cfg.sample.num)  # the grid: the first split's first sample.num captions
+            rows = None
+            if scenes is not None:
+                checks = alignment.check_batch(alignment.read_batch(images[: len(scenes)]), scenes[: len(images)])
+                scores = self.scores[name] = alignment.summarize(checks)
+                log.info(
+                    "step %d samples, %d %s captions: %s",
+                    ctx.step,
+                    len(scenes),
+                    name,
+                    ", ".join(f"{k[6:]} {v:.2f}" for k, v in scores.items()),
+                )
+                ctx.extra.update({f"sample/{name}/{k}": v for k, v in scores.items()})  # logged by LogHook
+                n = len(scenes)
+                rows = [{a: tuple(int(x) for x in checks[a][j]) for a in alignment.ATTRIBUTES} for j in range(n)]
+            if i == 0 and self.cfg.sample.num and jax.process_index() == 0:
                 path.parent.mkdir(exist_ok=True)
-                viz.save_sample_grid(path, images[grid], self.captions[grid])
-            return
-        checks = alignment.check_batch(alignment.read_batch(images), self.scenes)
-        self.scores = alignment.summarize(checks)
-        log.info("step %d samples: %s", ctx.step, ", ".join(f"{k[6:]} {v:.2f}" for k, v in self.scores.items()))
-        if jax.process_index() == 0:
-            path.parent.mkdir(exist_ok=True)
-            rows = [{a: tuple(int(x) for x in checks[a][i]) for a in alignment.ATTRIBUTES} for i in range(len(images))]
-            viz.save_checked_grid(path, images[grid], self.captions[grid], rows[grid])
-        ctx.extra.update({f"sample/{k}": v for k, v in self.scores.items()})  # logged by LogHook at this step
+                if rows is None:
+                    viz.save_sample_grid(path, images[grid], captions[grid])
+                else:
+                    viz.save_checked_grid(path, images[grid], captions[grid], rows[grid])
 
 
 def render(run, state, fn, text, step: int) -> np.ndarray:

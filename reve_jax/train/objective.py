@@ -76,8 +76,8 @@ def load_frozen(cfg, mesh) -> FrozenNets:
     if repa_features or (lo.dino_weight > 0 and lo.dino_target == "features"):
         from reve_jax.perceptual import shapes
 
-        net, _ = shapes.get_feature_net(shapes.DEFAULT_SPEC)
-        width = shapes.DEFAULT_SPEC.cell_dim
+        net, _ = shapes.get_feature_net(shapes.TRAINING_SPEC)  # not the metrics' network (DEFAULT_SPEC)
+        width = shapes.TRAINING_SPEC.cell_dim
         if repa_features and width != lo.repa_dim:
             raise ValueError(f"loss.repa_dim={lo.repa_dim} but the feature network's cells are {width} wide: "
                              f"set --config.loss.repa_dim={width}")  # fmt: skip

@@ -253,8 +253,8 @@ def run(cfg, workdir: str | Path, worker=None, *, fresh: bool = False, extra_hoo
     if snaps is not None:
         summary["snapshots"] = snaps.summary()
     sampled = next(h for h in all_hooks if isinstance(h, hooks.SampleHook))
-    if sampled.scores:  # the reader's scores of the last samples (procedural data)
-        summary["samples_scored"] = len(sampled.scenes)
+    if sampled.scores:  # the reader's scores of the last samples, per evaluation split (synthetic data)
+        summary["samples_scored"] = cfg.sample.score_num
         summary.update(sampled.scores)
     if is_main:
         (workdir / "summary.json").write_text(json.dumps(summary, indent=1))

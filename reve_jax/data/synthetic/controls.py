@@ -41,7 +41,7 @@ def control_images(ds: dataset.SyntheticShapes, index, seed: int) -> dict[str, n
     for i in index:
         scene = ds.scene(i)
         moved = dataclasses.replace(scene.objects[0], cell=int(rng.integers(grammar.GRID**2)))
-        one.append(ds.draw(grammar.Scene(scene.background, (moved,)), (ds.seed, i, _KEY_ONE_OBJECT)))
+        one.append(ds.draw(grammar.Scene(scene.background, (moved,)), ds.key(i, _KEY_ONE_OBJECT)))
     out["one_object"] = np.stack(one)
     noise = NOISY_STD * 127.5 * rng.standard_normal(out["real"].shape)  # the std in [-1, 1], in uint8 levels
     out["noisy"] = np.rint(out["real"] + noise).clip(0, 255).astype(np.uint8)
@@ -58,5 +58,5 @@ def backgrounds(ds: dataset.SyntheticShapes, index) -> np.ndarray:
     rendering, the caption's image with its objects taken out)."""
     out = []
     for i in (int(i) for i in index):
-        out.append(ds.draw(grammar.Scene(ds.scene(i).background, ()), (ds.seed, i, _KEY_BACKGROUND)))
+        out.append(ds.draw(grammar.Scene(ds.scene(i).background, ()), ds.key(i, _KEY_BACKGROUND)))
     return np.stack(out)

@@ -11,6 +11,7 @@ from reve_jax.data.synthetic.render import (
     render_scene,
     sample_style,
 )
+from reve_jax.data.synthetic.split import NONE, SPLIT_TAGS, SPLITS, Compositions
 
 
 class SyntheticShapes:
@@ -25,6 +26,10 @@ class SyntheticShapes:
         () = all of SHAPES / COLOR_NAMES (the same scenes as earlier versions).
       render: "jitter" (a distribution of images per caption) or "fixed" (one image per caption); see the module
         docstring. The captions do not depend on it.
+      heldout: the compositions the training split never shows (split.py; default: none);
+      split: "train" (no held-out composition), "unseen" (at least one) or "seen" (training-like scenes from a
+        stream the training never reads); see split.py. With no held-out compositions "train" is every scene, as in
+        earlier versions.
     """
 
     def __init__(
@@ -38,6 +43,8 @@ class SyntheticShapes:
         shapes: tuple[str, ...] = (),
         colors: tuple[str, ...] = (),
         render: str = "jitter",
+        heldout: Compositions = NONE,
+        split: str = "train",
     ):
         if image_size < 9:
             raise ValueError(f"data.image_size={image_size}: need at least 9 pixels (3 per grid cell)")
@@ -62,6 +69,28 @@ class SyntheticShapes:
         self.max_objects, self.min_objects = int(max_objects), int(min_objects)
         self.shapes, self.colors, self.render = shapes, colors, render
         self.strength = geometry_strength(self.image_size)
+        if split not in SPLITS:
+            raise ValueError(f"split={split!r}: choose one of {SPLITS}")
+        if split == "unseen" and not heldout:
+            raise ValueError(
+                "the unseen split needs held-out compositions, and this dataset holds none (data.heldout_frac=0, or "
+                "a run that trained on every composition): score the seen split instead"
+            )
+        self.heldout, self.split = heldout, split
+        self._tag = (SPLIT_TAGS[split],) if split in SPLIT_TAGS else ()
+
+    def with_split(self, split: str) -> "SyntheticShapes":
+        """The same dataset (size, palette, rendering, held-out compositions) drawn from another split."""
+        return SyntheticShapes(
+            self.image_size, self.num_samples, self.seed, self.max_objects, min_objects=self.min_objects,
+            shapes=self.shapes, colors=self.colors, render=self.render, heldout=self.heldout, split=split,
+        )  # fmt: skip
+
+    def key(self, index: int, *extra: int) -> list[int]:
+        """The random key of sample `index` (and of `extra` draws for it: another image of its caption, a control's
+        variation) in this split: [seed, index, *extra], with the split's tag last for the evaluation splits, so
+        that no two splits ever share a draw."""
+        return [self.seed, int(index), *map(int, extra), *self._tag]
 
     def __len__(self) -> int:
         return self.num_samples
@@ -73,8 +102,16 @@ class SyntheticShapes:
         return i
 
     def _draw(self, index: int) -> tuple[Scene, np.random.Generator]:
-        rng = np.random.default_rng([self.seed, self._check_index(index)])
-        return sample_scene(rng, self.max_objects, self.min_objects, self.shapes, self.colors), rng
+        rng = np.random.default_rng(self.key(self._check_index(index)))
+        scene = self._scene(rng)
+        if self.heldout:  # draw again from the same stream until the scene belongs to the split
+            want = self.split == "unseen"
+            while self.heldout.in_scene(scene) != want:
+                scene = self._scene(rng)
+        return scene, rng
+
+    def _scene(self, rng: np.random.Generator) -> Scene:
+        return sample_scene(rng, self.max_objects, self.min_objects, self.shapes, self.colors)
 
     def scene(self, index: int) -> Scene:
         """The Scene of sample `index` (cheap: no rendering)."""
@@ -90,7 +127,7 @@ class SyntheticShapes:
             return None
         scene, rng = self._draw(index)
         if variant:
-            rng = np.random.default_rng([self.seed, int(index), int(variant)])
+            rng = np.random.default_rng(self.key(index, variant))
         return sample_style(rng, scene, strength=self.strength)
 
     def draw(self, scene: Scene, style_key: tuple[int, ...]) -> np.ndarray:
