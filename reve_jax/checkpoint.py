@@ -46,6 +46,8 @@ from etils import epath
 
 from reve_jax import checkpoint_noise, treepath
 
+ORBAX_TMP = ".orbax-checkpoint-tmp"  # in the name of a step directory Orbax is writing (its TMP_DIR_SUFFIX)
+
 log = logging.getLogger(__name__)
 
 BARRIER_TIMEOUT_S = 600  # a process that never reaches a barrier is dead; fail instead of hanging forever
@@ -263,11 +265,23 @@ class Checkpointer:
         self._open()
 
     def _open(self):
-        # A save that failed (disk full, a process killed) leaves its temporary directory: removed on the next open.
+        self._remove_failed_saves()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=self.keep, create=True, enable_async_checkpointing=self.async_save, cleanup_tmp_directories=True
+            max_to_keep=self.keep, create=True, enable_async_checkpointing=self.async_save
         )
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_names=("state", "meta"))
+
+    def _remove_failed_saves(self):
+        """A save that failed (disk full, a process killed) leaves its temporary directory: process 0 removes it
+        when the checkpoints are opened, before anything is written. Done here and synchronously: Orbax's own
+        `cleanup_tmp_directories` runs in a background thread that a process exiting soon after (a refusal) cuts
+        off with a traceback."""
+        if jax.process_index() != 0 or not self.directory.is_dir():
+            return
+        for p in self.directory.iterdir():
+            if ORBAX_TMP in p.name:
+                log.info("removing %s, the temporary directory of a save that did not complete", p)
+                shutil.rmtree(p, ignore_errors=True)
 
     def _sync(self, what: str):
         # Every process makes the same calls in the same order, so the names agree; the directory's hash keeps

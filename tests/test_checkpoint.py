@@ -165,7 +165,7 @@ def _bytes_under(path) -> int:
 def test_crash_during_save_leaves_previous_checkpoint_usable(tmp_path):
     """SIGKILL while the second save is writing: the kill waits until the save's temporary directory holds some
     of its 384 MiB, and after the kill that directory is still the temporary one (never committed), with part of
-    the data in it. The previous checkpoint is then the latest and restores."""
+    the data in it. The previous checkpoint is then the latest and restores; the next open removes the partial one."""
     proc = subprocess.Popen(
         [sys.executable, "-c", CRASH_SCRIPT, str(tmp_path)],
         stdout=subprocess.PIPE,
@@ -195,6 +195,7 @@ def test_crash_during_save_leaves_previous_checkpoint_usable(tmp_path):
     assert 16 * MIB < _bytes_under(writing[0]) < 384 * MIB, _bytes_under(writing[0]) / MIB
     ckpt = Checkpointer(tmp_path)
     assert ckpt.steps() == [1], "the interrupted save must not count as a complete checkpoint"
+    assert not writing[0].exists(), "opening the checkpoints removes the failed save's temporary directory"
     abstract = {
         "w": jax.ShapeDtypeStruct((10,), np.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     }

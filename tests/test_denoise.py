@@ -78,7 +78,7 @@ def test_the_reader_columns_score_the_answers_against_their_captions():
     cfg.data.max_objects = 1
     batch = vloss.eval_batch(cfg, 16)
     clean, other = batch["image"], np.roll(batch["image"], 1, axis=0)  # right images; each another caption's
-    got = denoise.read_per_time(cfg, batch["index"], np.stack([clean, other]), (0.0, 0.5))
+    got = denoise.read_per_time(cfg, batch["index"], np.stack([clean, other]), (0.0, 0.5), "unseen")
     assert got["denoise_align_overall_t0"] == 1.0 and got["denoise_align_shape_t0"] == 1.0
     assert got["denoise_align_overall_t0.5"] < 0.6  # the reader sees the wrong objects, not just any object
     table = {

@@ -11,7 +11,8 @@ import scipy.linalg
 from scipy.ndimage import gaussian_filter
 from util import tiny_config
 
-from reve_jax.data import synthetic
+from reve_jax import diffusion
+from reve_jax.data import pipeline, synthetic
 from reve_jax.data.synthetic import alignment, controls
 from reve_jax.metrics import frechet, quality, vloss
 from reve_jax.perceptual import shapes
@@ -201,7 +202,9 @@ def test_heldout_vloss_is_deterministic_for_fixed_seeds():
     params = jax.tree.unflatten(treedef, [x + 0.05 * rng.standard_normal(x.shape).astype(x.dtype) for x in leaves])
     fn = vloss.make_vloss_fn(cfg, graphdef)
     batch = vloss.eval_batch(cfg, 4)
-    np.testing.assert_array_equal(batch["index"], np.arange(cfg.data.num_samples - 4, cfg.data.num_samples))
+    np.testing.assert_array_equal(batch["index"], np.arange(4))  # the first samples of the unseen split
+    unseen = pipeline.eval_dataset(cfg.data, "unseen")
+    np.testing.assert_array_equal(batch["image"][0], diffusion.to_unit(unseen[0]["image"]))
     a = vloss.heldout_vloss(cfg, params, graphdef, 4, seed=3, fn=fn, batch=batch)
     b = vloss.heldout_vloss(cfg, params, graphdef, 4, seed=3, fn=fn, batch=batch)
     c = vloss.heldout_vloss(cfg, params, graphdef, 4, seed=4, fn=fn, batch=batch)

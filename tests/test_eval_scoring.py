@@ -56,7 +56,7 @@ def test_evaluate_scores_a_trained_run(tmp_path):
     assert (other["config"]["sample"]["sampler"], other["config"]["sample"]["steps"]) == (sampler, 3)
     assert (
         again["config"]["sample"]["steps"] != 3
-        and other["splits"]["unseen"]["metrics"]["grain"] != again["splits"]["unseen"]["metrics"]["grain"]
+        and other["splits"]["unseen"]["metrics"]["kid"] != again["splits"]["unseen"]["metrics"]["kid"]
     )
     load_script("evaluate").main(["--workdir", str(workdir), "--n", "8", "--boot", "0", "--out", elsewhere,
                                   "--t-eps", "-1", "--splits", "unseen"])  # fmt: skip

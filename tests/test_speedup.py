@@ -168,15 +168,16 @@ def test_rescore_recomputes_alignment_from_saved_images(tmp_path):
     rewritten."""
     size = dataclasses.replace(_size("cpu"), seeds=(0,), steps=200, evals=2)
     cfg = protocol.build_config(size, "pixel_p8", 0)
-    ds = pipeline.dataset_from_config(cfg.data)
-    index = np.arange(len(ds) - 12, len(ds))
+    ds = pipeline.eval_dataset(cfg.data, "unseen")
+    index = np.arange(12)
     real = np.stack([ds[int(i)]["image"] for i in index])
     noise = np.random.default_rng(0).integers(0, 256, real.shape).astype(np.uint8)
     (tmp_path / "runs").mkdir()
     runs = []
     for method, images in (("latent", real), ("recipe", noise)):
         key = runner._run_key(size, method, 0, ())
-        np.savez_compressed(tmp_path / "runs" / f"{key}.npz", index=index, step_100=images, step_200=images)
+        np.savez_compressed(tmp_path / "runs" / f"{key}.npz", index=index, split="unseen", step_100=images,
+                            step_200=images)  # fmt: skip
         runs.append(
             {"method": method, "seed": 0, "curve": _curve([0.2, 0.5]), "config": runner.config_lib.to_json(cfg)}
         )
@@ -307,7 +308,7 @@ def test_sweep_extends_the_grid_until_the_winner_is_inside_then_picks_the_guidan
     size = dataclasses.replace(_size("cpu"), sweep_lrs=(1e-3, 2e-3, 4e-3), cfg_scales=(1.5, 2.0, 3.0))
     trained = []
 
-    def fake_run(self, method, seed, lr=None, *, evals=None, rate="lr"):
+    def fake_run(self, method, seed, lr=None, *, evals=None, rate="lr", tuning=False):
         trained.append((method, seed, lr, evals, rate))
         return {"curve": [{"align_overall": 1.0 - abs(np.log2(lr / 1.6e-2)) / 10}]}
 
@@ -316,7 +317,9 @@ def test_sweep_extends_the_grid_until_the_winner_is_inside_then_picks_the_guidan
     logs = []
     result = sweeps.sweep(size, tmp_path, ["latent"], max_extend=3, log=logs.append)
     lrs = [t[2] for t in trained]
-    assert lrs == [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2] and {t[1] for t in trained} == {size.seeds[0]}
+    # every rate on each of the size's tuning seeds (never a headline seed), a rate's score their mean
+    assert lrs == [lr for lr in (1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2) for _ in size.tune_seeds]
+    assert {t[1] for t in trained} == set(size.tune_seeds) and not set(size.tune_seeds) & set(size.seeds)
     assert all(t[3] == 1 for t in trained)  # sweep runs are evaluated at the end only
     assert result["latent"]["lr"] == 1.6e-2 and result["latent"]["inside_grid"]
     assert result["latent"]["cfg_scale"] == 2.0 and isinstance(result["latent"]["cfg_scale"], float)
@@ -340,14 +343,14 @@ def test_a_sweep_over_two_seeds_scores_each_rate_by_its_mean(tmp_path, monkeypat
     }
     trained = []
 
-    def fake_run(self, method, seed, lr=None, *, evals=None, rate="lr"):
+    def fake_run(self, method, seed, lr=None, *, evals=None, rate="lr", tuning=False):
         trained.append((seed, lr))
         return {"curve": [{"align_overall": finals[seed][lr]}]}
 
     guidance = {"s0": {"1.5": 0.7, "3": 0.9}, "s1": {"1.5": 0.8, "3": 0.4}}
     monkeypatch.setattr(runner.Runner, "run", fake_run)
     monkeypatch.setattr(sweeps, "guidance_scores", lambda workdir, size: guidance[workdir.name.split("-")[-2]])
-    one = sweeps.sweep(size, tmp_path / "one", ["latent"], log=lambda s: None)
+    one = sweeps.sweep(size, tmp_path / "one", ["latent"], seeds=(0,), log=lambda s: None)
     assert one["latent"]["lr"] == 8e-3 and one["latent"]["inside_grid"] and {s for s, _ in trained} == {0}
     trained.clear()
     two = sweeps.sweep(size, tmp_path / "two", ["latent"], seeds=(0, 1), log=lambda s: None)["latent"]

@@ -5,6 +5,10 @@ from pathlib import Path
 
 from reve_jax.config import apply_override, load_config, validate
 
+# The test job's own choices on configs/tiny.py (a config given as `base` keeps its own): AdamW, as tiny.py's Muon
+# compiles its Newton-Schulz iterations for long (the tests that need Muon say so), and no end-of-run scoring of
+# sample.score_num captions per caption set (tests/test_learning.py scores).
+JOB = ("optim.name='adamw'", "sample.score_num=0")
 TINY = [
     "model.width=32",
     "model.depth=2",
@@ -27,18 +31,20 @@ TINY = [
     "train.ckpt_async=False",
     "sample.num=2",
     "sample.steps=2",
-    "sample.score_num=0",  # no scoring of sample.score_num captions per split at the end of every run
-    "optim.name='adamw'",  # tiny.py trains with Muon; the tests that need it say so (its Newton-Schulz compiles long)
     "optim.warmup_steps=2",
     "optim.schedule='constant'",  # tiny.py's cosine spans train.steps: runs of different lengths would not compare
     "ema.decays=(0.9,)",
+    *JOB,
 ]
 
 
 def tiny_config(*overrides: str, base: str = "configs/tiny.py"):
-    """The test config: configs/tiny.py shrunk by TINY, then `overrides` ("a.b=value")."""
+    """The test config: configs/tiny.py (or `base`) shrunk by TINY, then `overrides` ("a.b=value")."""
     cfg = load_config(base)
-    for item in (*TINY, *overrides):
+    for item in TINY:
+        if base == "configs/tiny.py" or item not in JOB:
+            apply_override(cfg, item)
+    for item in overrides:
         apply_override(cfg, item)
     validate(cfg)
     return cfg

@@ -69,9 +69,10 @@ def mse_per_time(apply: Callable, images, text, noise, times, dcfg) -> dict[str,
 def probe(
     cfg, graphdef, params, times: Sequence[float] = DEFAULT_TIMES, n: int = 64, seed: int = 0, grid: int = 8
 ) -> tuple[dict[str, float], np.ndarray]:
-    """The table of the module docstring for `params` of the model `graphdef` of `cfg`, on the last `n` held-out
-    samples with noise from `seed`, and a grid f32 [(2 + 2 T) S, grid S, 3] in [-1, 1]: the first `grid` clean
-    images, then per t the noisy input and x_hat, then x_hat at the last t with the rolled captions."""
+    """The table of the module docstring for `params` of the model `graphdef` of `cfg`, on the first `n` samples
+    of the first evaluation split (pipeline.eval_splits) with noise from `seed`, and a grid f32 [(2 + 2 T) S,
+    grid S, 3] in [-1, 1]: the first `grid` clean images, then per t the noisy input and x_hat, then x_hat at the
+    last t with the rolled captions."""
     if latent.enabled(cfg):
         raise ValueError(
             f"the denoising probe works in pixel space; this run diffuses the latents of {cfg.latent.path} "
@@ -79,7 +80,8 @@ def probe(
         )
     if any(not 0.0 <= t < 1.0 for t in times):
         raise ValueError(f"--denoise times {tuple(times)} must lie in [0, 1) (t = 1 is the clean image)")
-    batch = vloss.eval_batch(cfg, n, pipeline.eval_splits(cfg.data)[0])
+    split = pipeline.eval_splits(cfg.data)[0]
+    batch = vloss.eval_batch(cfg, n, split)
     images = batch["image"]
     text = {k: batch[k] for k in ("tokens", "text_emb", "text_mask") if k in batch}
     noise, ts = vloss.fixed_inputs(images.shape, times, cfg.diffusion.noise_scale, seed)
@@ -107,16 +109,17 @@ def probe(
     for key, name in (("model", "denoise_mse"), ("input", "denoise_input_mse"), ("swapped", "denoise_swapped_mse")):
         out.update({f"{name}_t{t:g}": float(v) for t, v in zip(times, np.asarray(table[key]), strict=True)})
     if cfg.data.name == "synthetic":
-        out.update(read_per_time(cfg, batch["index"], np.asarray(table["x_hat"]), times))
+        out.update(read_per_time(cfg, batch["index"], np.asarray(table["x_hat"]), times, split))
     r, k, s = rows.shape[0], rows.shape[1], rows.shape[2]
     grid_img = np.clip(np.asarray(rows), -1.0, 1.0).transpose(0, 2, 1, 3, 4).reshape(r * s, k * s, 3)
     return out, grid_img
 
 
-def read_per_time(cfg, index, x_hat: np.ndarray, times: Sequence[float]) -> dict[str, float]:
-    """The caption reader's scores of the answers x_hat [T, B, S, S, 3] (in [-1, 1]) to the procedural dataset's
-    samples `index` [B] at each time: {"denoise_align_<attribute>_t<t>": fraction correct}."""
-    ds = pipeline.dataset_from_config(cfg.data)
+def read_per_time(cfg, index, x_hat: np.ndarray, times: Sequence[float], split: str) -> dict[str, float]:
+    """The caption reader's scores of the answers x_hat [T, B, S, S, 3] (in [-1, 1]) to samples `index` [B] of the
+    procedural dataset's evaluation split `split` at each time: {"denoise_align_<attribute>_t<t>": fraction
+    correct}."""
+    ds = pipeline.eval_dataset(cfg.data, split)
     scenes = [ds.scene(int(i)) for i in index]
     out = {}
     for t, answers in zip(times, x_hat, strict=True):

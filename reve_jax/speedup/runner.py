@@ -291,7 +291,9 @@ def rescore(out_dir: str | Path, log: Callable[[str], None] = print) -> dict:
             step_flops[rec["method"]] = executed_step_flops(cfg)
         count_flops(rec, step_flops[rec["method"]])
         with np.load(npz) as saved:
-            ds = pipeline.eval_dataset(cfg.data, str(saved["split"]))
+            # Images saved before the evaluation splits (no `split`) were of the training data's last indices.
+            split = str(saved["split"]) if "split" in saved.files else None
+            ds = pipeline.eval_dataset(cfg.data, split) if split else pipeline.dataset_from_config(cfg.data)
             scenes = [ds.scene(int(i)) for i in saved["index"]]
             for point in rec["curve"]:
                 point.update(alignment.score(saved[f"step_{point['step']}"], scenes))
