@@ -3,6 +3,7 @@ authentication (forged, replayed, oversized messages)."""
 
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -129,18 +130,34 @@ def test_no_progress_detected_while_beats_continue():
 
 
 def test_main_thread_location_names_the_waiting_frame():
-    done = threading.Event()
-    seen = []
+    """Asked from another thread (as the beat thread asks), it names the main thread's own innermost frame: the
+    file, line and function the main thread is blocked in, not the frame of the thread that asks (nor its
+    caller's)."""
     main_id = threading.main_thread().ident
+    assert threading.get_ident() == main_id  # the test runs on the main thread
+    blocker = threading.Lock()
+    blocker.acquire()
+    seen = []
+
+    def main_waits_here():
+        return blocker.acquire(timeout=5)  # a C call: the innermost Python frame is this line
 
     def look():
-        time.sleep(0.1)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # until the main thread is blocked in main_waits_here
+            frame = sys._current_frames().get(main_id)
+            if frame is not None and frame.f_code is main_waits_here.__code__:
+                break
+            time.sleep(0.01)
         seen.append(main_thread_location(main_id))
-        done.set()
+        blocker.release()
 
-    threading.Thread(target=look).start()
-    done.wait(5)
-    assert "test_elastic_channel.py" in seen[0] or "threading.py" in seen[0]
+    helper = threading.Thread(target=look, daemon=True)
+    helper.start()
+    assert main_waits_here()
+    helper.join(5)
+    line = main_waits_here.__code__.co_firstlineno + 1
+    assert seen == [f"test_elastic_channel.py:{line}:main_waits_here"]
 
 
 def test_init_from_env_single_process_and_stop_on_sigterm():
