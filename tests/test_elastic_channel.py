@@ -1,15 +1,24 @@
 """The heartbeat channel over real TCP, fed to the policy: beats, stop replies, stale and no-progress detection;
 authentication (forged, replayed, oversized messages)."""
 
+import json
 import os
+import queue
 import signal
+import subprocess
+import sys
 import threading
 import time
 
+import pytest
+
+from reve_jax.elastic import auth
 from reve_jax.elastic import policy as P
 from reve_jax.elastic.channel import HeartbeatClient, HeartbeatServer, main_thread_location
 from reve_jax.elastic.supervisor import _beat_from
 from reve_jax.elastic.worker import init_from_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def wait_for(cond, timeout=5.0):
@@ -129,18 +138,34 @@ def test_no_progress_detected_while_beats_continue():
 
 
 def test_main_thread_location_names_the_waiting_frame():
-    done = threading.Event()
-    seen = []
+    """Asked from another thread (as the beat thread asks), it names the main thread's own innermost frame: the
+    file, line and function the main thread is blocked in, not the frame of the thread that asks (nor its
+    caller's)."""
     main_id = threading.main_thread().ident
+    assert threading.get_ident() == main_id  # the test runs on the main thread
+    blocker = threading.Lock()
+    blocker.acquire()
+    seen = []
+
+    def main_waits_here():
+        return blocker.acquire(timeout=5)  # a C call: the innermost Python frame is this line
 
     def look():
-        time.sleep(0.1)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # until the main thread is blocked in main_waits_here
+            frame = sys._current_frames().get(main_id)
+            if frame is not None and frame.f_code is main_waits_here.__code__:
+                break
+            time.sleep(0.01)
         seen.append(main_thread_location(main_id))
-        done.set()
+        blocker.release()
 
-    threading.Thread(target=look).start()
-    done.wait(5)
-    assert "test_elastic_channel.py" in seen[0] or "threading.py" in seen[0]
+    helper = threading.Thread(target=look, daemon=True)
+    helper.start()
+    assert main_waits_here()
+    helper.join(5)
+    line = main_waits_here.__code__.co_firstlineno + 1
+    assert seen == [f"test_elastic_channel.py:{line}:main_waits_here"]
 
 
 def test_init_from_env_single_process_and_stop_on_sigterm():
@@ -170,6 +195,101 @@ def test_init_from_env_single_process_and_stop_on_sigterm():
         for s, h in old.items():
             signal.signal(s, h)
         server.close()
+
+
+# The supervisor's side, in a process of its own so that it can die: it prints its port, then every beat.
+_SUPERVISOR = """
+import json, os, time
+from reve_jax.elastic.channel import HeartbeatServer
+server = HeartbeatServer(bind="127.0.0.1", secret=bytes.fromhex(os.environ["TEST_SECRET"])).start()
+print(server.port, flush=True)
+while True:
+    for _, m in server.drain():
+        print(json.dumps({"step": m["step"], "phase": m["phase"]}), flush=True)
+    time.sleep(0.02)
+"""
+
+# A supervised worker whose main thread then hangs (as in a collective that never returns): only its beat
+# thread can notice that the supervisor is gone.
+_HUNG_WORKER = """
+import threading
+from reve_jax.elastic.worker import init_from_env
+ctx = init_from_env()
+ctx.beat(1, "train")
+threading.Event().wait()
+"""
+
+
+def _lines(proc) -> queue.SimpleQueue:
+    """The lines `proc` prints, read by a thread of their own (so that waiting on them has a deadline)."""
+    out: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read():
+        for line in proc.stdout:
+            out.put(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    return out
+
+
+@pytest.mark.parametrize(("gone", "orphan_timeout"), [("killed", 1.0), ("stopped", 3.0)])
+def test_a_hung_worker_exits_by_itself_once_its_supervisor_is_gone(gone, orphan_timeout):
+    """The orphan exit (REVE_ORPHAN_TIMEOUT, HeartbeatClient): a worker whose main thread hangs stays up while
+    the supervisor answers its beats, for longer than the orphan timeout; once the supervisor is gone it exits
+    by itself with status 3 and "heartbeat: supervisor unreachable, exiting" on stderr, about the orphan timeout
+    after the last reply. Gone: its process killed (the connection refused from then on), or stopped (SIGSTOP:
+    connections still accepted by the kernel, beats still sent, but no reply ever comes; the orphan timeout is
+    then longer than a beat's wait for its reply, so that only replies, not beats sent, can keep it alive). A
+    worker that outlives its supervisor fails here, and so does one that counts a beat sent as a sign of life."""
+    reply_timeout = 2.0  # HeartbeatClient's socket timeout: how long one beat waits for its reply
+    secret = auth.new_secret()
+    env = dict(os.environ, PYTHONPATH=ROOT, TEST_SECRET=secret.hex())
+    procs = []
+    try:
+        sup = subprocess.Popen([sys.executable, "-c", _SUPERVISOR], env=env, stdout=subprocess.PIPE, text=True)
+        procs.append(sup)
+        sup_out = _lines(sup)
+        port = int(sup_out.get(timeout=30))
+        worker_env = dict(
+            env,
+            REVE_NUM_PROCESSES="1",
+            REVE_PROCESS_ID="0",
+            REVE_HOST="h",
+            REVE_HEARTBEAT=f"127.0.0.1:{port}",
+            REVE_HEARTBEAT_INTERVAL="0.05",
+            REVE_ORPHAN_TIMEOUT=str(orphan_timeout),
+            REVE_SECRET=secret.hex(),
+        )
+        worker = subprocess.Popen(
+            [sys.executable, "-c", _HUNG_WORKER], env=worker_env, stderr=subprocess.PIPE, text=True
+        )
+        procs.append(worker)
+        deadline = time.monotonic() + 30
+        while json.loads(sup_out.get(timeout=max(0.0, deadline - time.monotonic())))["step"] != 1:
+            pass  # until the worker, hung from now on, has beaten step 1
+        time.sleep(orphan_timeout + 0.5)  # answered all along: no orphan
+        assert worker.poll() is None, worker.stderr.read()
+        assert not sup_out.empty()  # its beats went on
+        if gone == "killed":
+            sup.kill()
+            sup.wait(timeout=10)
+        else:
+            sup.send_signal(signal.SIGSTOP)
+        t_gone = time.monotonic()
+        code = worker.wait(timeout=reply_timeout + orphan_timeout + 10)
+        gone_for = time.monotonic() - t_gone
+        stderr = worker.stderr.read()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()  # a stopped process too
+            p.wait(timeout=10)
+    print(f"the worker exited {gone_for:.2f} s after its supervisor was {gone}")
+    assert code == 3 and "heartbeat: supervisor unreachable, exiting" in stderr, (code, stderr)
+    # Its last reply came at most a beat interval before; it exits at the first failed beat after the orphan
+    # timeout: refused at once when killed, a reply timeout later when stopped (the slack: a loaded machine).
+    late = 0.0 if gone == "killed" else reply_timeout
+    assert orphan_timeout - 0.1 <= gone_for < orphan_timeout + late + 2.0, gone_for
 
 
 def test_stop_on_signals_sets_the_flag_and_restores_handlers():

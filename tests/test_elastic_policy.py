@@ -163,12 +163,34 @@ def test_hang_with_no_culprit_restarts_everyone():
     assert r.of(P.Launch)[-1].hosts == tuple(HOSTS)
 
 
-def test_compiling_gets_the_startup_grace():
-    r = Run(progress_timeout=10.0, startup_timeout=100.0)
-    for _ in range(50):
+def _until_failure(r: Run, phase: str, seconds: int) -> dict | None:
+    """Every host beats step 0 in `phase` once a second for up to `seconds` s; returns the first failure."""
+    for _ in range(seconds):
         r.tick(1.0)
-        r.beat_all(0, "compiling", start=0)
-    assert not r.records("failure")
+        if r.records("failure"):
+            return r.records("failure")[0]
+        r.beat_all(0, phase, start=0)
+    return None
+
+
+def test_compiling_gets_the_startup_grace():
+    """Compiling is not hanging: 50 s at step 0 in phase "compiling" is no failure under a 10 s progress_timeout,
+    for compiling gets the start-up grace (100 s). The grace is bounded: the same beats going on past it are a
+    failure, and the same 50 s in phase "train" are one after progress_timeout (so a policy that never detects a
+    stuck group, or gives "train" the start-up grace, fails here)."""
+    r = Run(progress_timeout=10.0, startup_timeout=100.0)
+    assert _until_failure(r, "compiling", 50) is None
+    fail = _until_failure(r, "compiling", 60)  # the first beat came at t=1: stuck since then
+    assert fail is not None, "still compiling at step 0 past the start-up grace: not detected"
+    assert fail["hosts"] == [] and fail["reason"].startswith("no progress"), fail
+    assert 100.0 <= fail["detection_s"] <= 102.0 and r.t <= 103.0, (fail, r.t)
+    assert r.of(P.Kill)
+
+    r = Run(progress_timeout=10.0, startup_timeout=100.0)
+    fail = _until_failure(r, "train", 50)
+    assert fail is not None, "training at step 0 past progress_timeout: not detected"
+    assert fail["hosts"] == [] and fail["reason"].startswith("no progress"), fail
+    assert 10.0 <= fail["detection_s"] <= 12.0 and r.t <= 13.0, (fail, r.t)
 
 
 def test_strikes_exclude_a_host_for_good():
