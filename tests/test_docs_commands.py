@@ -13,12 +13,16 @@ as `C`, `W`, `B`, or `<name>`) is a usage synopsis, not a command: it is reporte
 for the reader's own files (`path/to/images`, `/data/photos`, `vgg16-397923af.pth`) are kept: see Paths.
 
 Quick form. QUICK maps each script (or module) to what is added to the command: `--dry-run` (the script checks
-its arguments, config, inputs and mesh and prints one `dry run:` line), else `--help` for what needs hosts, a
-cluster or minutes of work. A command whose script has no entry fails, saying to add one.
+its arguments, config, inputs and mesh and prints one `dry run:` line), else PARSE for what needs hosts, a
+cluster or minutes of work: the command runs through tests/parse_only.py, which stops it once its arguments are
+parsed (and its config loaded with its overrides), so an unknown option or config key still fails it (`--help`
+would not: argparse prints the help before it looks at the other arguments). A command whose script has no entry
+fails, saying to add one.
 
 Paths. Every argument value that looks like a path (has a `/` or a file suffix) and does not exist in the
 repository is moved under the test's temporary directory, so no command writes into the repository (the value
-of `--config`, a config file, is never moved: it must exist). Of those, the values of the options a QUICK entry
+of `--config`, a config file, is never moved: it must exist, except `configs/x.py`, the docs' name for the
+reader's own config, which runs as configs/tiny.py). Of those, the values of the options a QUICK entry
 lists as `inputs` ("" for positional arguments) and of every `--config.*path=` override are the reader's input
 files: an empty file (or a folder, for a value without a suffix) is made there; `runs` options name a finished
 run: a workdir holding one checkpoint of configs/tiny.py's config is put there (the dry runs read its config).
@@ -54,10 +58,12 @@ class Quick:
     inputs: tuple[str, ...] = ()  # options whose paths are the reader's files ("" = positional arguments)
     runs: tuple[str, ...] = ()  # options naming a finished run's workdir
     before: tuple[str, ...] = ()  # interpreter options, before the script
+    parse_only: bool = False  # run through tests/parse_only.py: stop once the arguments are parsed
 
 
-HELP = Quick(("--help",), "usage:")
+PARSE = Quick((), "arguments parsed: ", parse_only=True)
 # One entry per script or module; "<script> <flag>" is the entry for that script's commands that carry <flag>.
+# PARSE entries say why the command cannot run here in a quick form.
 QUICK = {
     "scripts/train.py": Quick(),
     "scripts/sample.py": Quick(runs=("--workdir",)),
@@ -70,18 +76,19 @@ QUICK = {
     "scripts/bench_host.py": Quick(),
     "scripts/bench_speedup.py": Quick(),
     "scripts/bench_speedup.py --rescore": Quick(inputs=("--out",)),
-    "scripts/launch.py": HELP,  # supervises training processes on hosts or a SLURM allocation
-    "scripts/bench_recovery.py": HELP,  # a 4-host elastic run with a kill: a minute or more
+    "scripts/launch.py": PARSE,  # supervises training processes on hosts or a SLURM allocation
+    "scripts/bench_recovery.py": PARSE,  # a 4-host elastic run with a kill: a minute or more
     "scripts/bench_snapshot.py": Quick(),  # 4-host runs with and without snapshots: minutes
-    "scripts/evaluate.py": HELP,  # samples hundreds of images from a run and scores them
-    "scripts/train_autoencoder.py": HELP,  # trains an autoencoder (minutes); has no --dry-run yet
+    "scripts/evaluate.py": PARSE,  # samples hundreds of images from a run and scores them
+    "scripts/train_autoencoder.py": PARSE,  # trains an autoencoder (minutes); has no --dry-run yet
     "scripts/device_bench.sh": Quick((), "", before=("-n",)),  # the GPU rows (SMOKE=1: minutes on a CPU): syntax
     "pytest": Quick(("--collect-only", "-p", "no:cacheprovider"), "tests collected"),  # the suite: collected
     "reve_jax.elastic.probe": Quick((), ""),  # a matmul on each device: runs as is
-    "reve_jax.elastic.precompile": HELP,  # compiles the train step for another group size (the supervisor runs it)
-    "reve_jax.tools.bench.perceptual": HELP,  # compiles both perceptual losses: about a minute on a CPU
-    "reve_jax.speedup.figures": HELP,  # renders and reads thousands of images: minutes
-    "reve_jax.perceptual.build_shapes": HELP,  # trains the evaluation feature net: most of an hour
+    # compiles the train step for another group size; the docs name it, the supervisor runs it with a config
+    "reve_jax.elastic.precompile": dataclasses.replace(PARSE, args=("--config", "configs/tiny.py")),
+    "reve_jax.tools.bench.perceptual": PARSE,  # compiles both perceptual losses: about a minute on a CPU
+    "reve_jax.speedup.figures": PARSE,  # renders and reads thousands of images: minutes
+    "reve_jax.perceptual.build_shapes": PARSE,  # trains the evaluation feature net: most of an hour
 }
 
 # ----------------------------------------------------------------------------------------------- Extraction
@@ -234,6 +241,9 @@ def quick_for(c: Command) -> Quick | None:
 
 
 # ---------------------------------------------------------------------------------------------- Running
+READER_CONFIGS = {"configs/x.py": "configs/tiny.py"}  # a config file the docs name for the reader's own
+
+
 def saved_run(path: Path) -> Path:
     """A workdir with one checkpoint whose metadata holds configs/tiny.py's config; the state is a stand-in (the
     dry runs of sample.py and convert_checkpoint.py read the config, not the weights)."""
@@ -254,6 +264,9 @@ def quick_argv(c: Command, q: Quick, tmp: Path, run: Path | None) -> list[str]:
         head, value = _split(tok)
         option = head.rstrip("=") if head else (after or "")
         after = tok if tok.startswith("-") and not value and "=" not in tok else None
+        if option == "--config" and value in READER_CONFIGS:
+            argv.append(head + READER_CONFIGS[value])
+            continue
         if i < (3 if c.argv[1] == "-m" else 2) or option == "--config" or not _is_path(value):
             argv.append(tok)
             continue
@@ -272,6 +285,8 @@ def quick_argv(c: Command, q: Quick, tmp: Path, run: Path | None) -> list[str]:
         else:
             argv.append(head + str(moved) + ("/" if value.endswith("/") else ""))
     program = [sys.executable] if argv[0].startswith("python") else [argv[0]]
+    if q.parse_only:
+        program.append(str(ROOT / "tests" / "parse_only.py"))
     return [*program, *q.before, *argv[1:], *q.args]
 
 
@@ -339,7 +354,8 @@ def test_doc_command(command: Command, started):
     )
     argv, proc = started[command.where].result()
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 0 and q.expect in out, (
+    expect = "usage:" if {"-h", "--help"} & set(command.argv) else q.expect  # the docs show the help
+    assert proc.returncode == 0 and expect in out, (
         f"{command.where}: `{command}` failed in its quick form\n  ran: {shlex.join(argv)}\n"
         f"  exit status {proc.returncode}, output (last 3000 characters):\n{out[-3000:]}"
     )
@@ -374,3 +390,34 @@ def test_extraction_rules(tmp_path):
         ("doc.md:15", "pkg.mod", ("-m", "pkg.mod", "-v"), (("XLA_FLAGS", "-a -b"),), ""),
         ("doc.md:16", "scripts/e.py", ("scripts/e.py", "--config", "C"), (), "C"),
     ]
+
+
+@pytest.mark.parametrize(
+    "argv, why",
+    [
+        (["scripts/launch.py", "--config", "configs/tiny.py", "--workdir", "w", "--hosts", "2", "--bogus"], "bogus"),
+        (
+            [
+                "scripts/launch.py",
+                "--config",
+                "configs/tiny.py",
+                "--workdir",
+                "w",
+                "--hosts",
+                "2",
+                "--config.model.nope=1",
+            ],
+            "nope",
+        ),
+        (["-m", "reve_jax.elastic.precompile", "--config", "configs/tiny.py", "--config.train.steps=x"], "steps"),
+    ],
+)
+def test_parse_only_rejects_an_unknown_option_or_config_key(argv, why):
+    """The PARSE form (tests/parse_only.py) fails a command with an unknown option or a bad override, where
+    `--help` would have printed the usage and exited 0; a good command passes it."""
+    run = [sys.executable, str(ROOT / "tests" / "parse_only.py")]
+    bad = subprocess.run([*run, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and why in bad.stderr, (bad.returncode, bad.stdout[-2000:], bad.stderr[-2000:])
+    good = [a for a in argv if a not in ("--bogus", "--config.model.nope=1", "--config.train.steps=x")]
+    ok = subprocess.run([*run, *good], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "arguments parsed: " in ok.stdout, (ok.stdout[-2000:], ok.stderr[-2000:])
