@@ -52,7 +52,8 @@ def main(argv=None, doc: str = __doc__):
     p.add_argument(
         "--sweep",
         action="store_true",
-        help="the LR grid and guidance scales of --methods (scored on the mean over --seeds, default one)",
+        help="the LR grid and guidance scales of --methods (scored on the mean over --seeds, default the size's "
+        "tuning seeds)",
     )
     p.add_argument(
         "--rate",
