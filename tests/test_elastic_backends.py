@@ -132,7 +132,9 @@ def test_ssh_pid_file_is_private_checked_before_a_kill_and_removed(fake_ssh, tmp
     while "up" not in (log.read_text() if log.exists() else "") and time.monotonic() < deadline:
         time.sleep(0.05)
     remote_line = proc.popen.args[-1]
-    assert "/tmp" not in remote_line and proc.popen.args[-3] == "--"  # and no host name read as an option
+    # The pid file's directory is the user's own, not /tmp (the checkout itself may be under /tmp: not checked).
+    assert remote_line.startswith(backends._PRIVATE_PID_DIR) and '> "$d"/' in remote_line
+    assert "/tmp" not in remote_line.replace(f"cd {ROOT}", "") and proc.popen.args[-3] == "--"  # no host as option
     (pidfile,) = home.rglob("*.pid")
     assert stat.S_IMODE(pidfile.parent.stat().st_mode) == 0o700 and stat.S_IMODE(pidfile.stat().st_mode) == 0o600
     pid = int(pidfile.read_text())
