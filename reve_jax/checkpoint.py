@@ -251,8 +251,11 @@ def _short_cause(exc: BaseException) -> str:
 class Checkpointer:
     """Save and restore `state` pytrees plus JSON metadata under `<workdir>/checkpoints/<step>/`."""
 
-    def __init__(self, workdir: str | Path, keep: int = 3, async_save: bool = True):
+    def __init__(self, workdir: str | Path, keep: int = 3, async_save: bool = True, *, reader: bool = False):
+        """`reader`: opened to read a run that may be training elsewhere (sampling, scoring, conversion): it leaves
+        the directory's temporary save directories alone (one may be the running trainer's save)."""
         self.workdir = Path(workdir).absolute()
+        self.reader = reader
         self.directory = self.workdir / "checkpoints"
         self.corrupt_dir = self.workdir / "checkpoints_corrupt"
         self.replaced_dir = self.workdir / "checkpoints_replaced"
@@ -276,7 +279,7 @@ class Checkpointer:
         when the checkpoints are opened, before anything is written. Done here and synchronously: Orbax's own
         `cleanup_tmp_directories` runs in a background thread that a process exiting soon after (a refusal) cuts
         off with a traceback."""
-        if jax.process_index() != 0 or not self.directory.is_dir():
+        if self.reader or jax.process_index() != 0 or not self.directory.is_dir():
             return
         for p in self.directory.iterdir():
             if ORBAX_TMP in p.name:

@@ -102,7 +102,7 @@ def saved_config_or_exit(workdir) -> tuple[int, object]:
 
     if not (Path(workdir) / "checkpoints").is_dir():  # checked first: opening a Checkpointer creates the folder
         sys.exit(f"error: {workdir} holds no checkpoints/: pass the workdir of a run")
-    ckpt = checkpoint.Checkpointer(workdir, async_save=False)
+    ckpt = checkpoint.Checkpointer(workdir, async_save=False, reader=True)
     try:
         if not ckpt.steps():
             sys.exit(f"error: no complete checkpoint in {Path(workdir) / 'checkpoints'}")

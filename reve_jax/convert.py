@@ -106,7 +106,7 @@ def convert_workdir(src: str | Path, dst: str | Path, overrides: list[str] = (),
         raise checkpoint.CheckpointError(f"{src} has no checkpoints/ directory: pass the workdir of a run")
     if (dst / "checkpoints").exists() and any((dst / "checkpoints").iterdir()):
         raise ConversionError(f"{dst} already holds checkpoints: choose a new --out; nothing was written")
-    reader = checkpoint.Checkpointer(src, async_save=False)
+    reader = checkpoint.Checkpointer(src, async_save=False, reader=True)
     try:
         if not reader.steps():
             raise checkpoint.CheckpointError(f"no complete checkpoint in {src / 'checkpoints'}")

@@ -165,7 +165,8 @@ def _bytes_under(path) -> int:
 def test_crash_during_save_leaves_previous_checkpoint_usable(tmp_path):
     """SIGKILL while the second save is writing: the kill waits until the save's temporary directory holds some
     of its 384 MiB, and after the kill that directory is still the temporary one (never committed), with part of
-    the data in it. The previous checkpoint is then the latest and restores; the next open removes the partial one."""
+    the data in it. The previous checkpoint is then the latest and restores; the next open to train removes the
+    partial one, an open to read does not."""
     proc = subprocess.Popen(
         [sys.executable, "-c", CRASH_SCRIPT, str(tmp_path)],
         stdout=subprocess.PIPE,
@@ -193,9 +194,12 @@ def test_crash_during_save_leaves_previous_checkpoint_usable(tmp_path):
     # The kill landed mid-write: the step-2 data is partly on disk, in a directory that was never committed.
     assert not (ckpts / "2").exists()
     assert 16 * MIB < _bytes_under(writing[0]) < 384 * MIB, _bytes_under(writing[0]) / MIB
+    reader = Checkpointer(tmp_path, reader=True)  # sampling or scoring a run that may be saving right now
+    assert reader.steps() == [1] and writing[0].exists(), "a reader leaves every temporary directory alone"
+    reader.close()
     ckpt = Checkpointer(tmp_path)
     assert ckpt.steps() == [1], "the interrupted save must not count as a complete checkpoint"
-    assert not writing[0].exists(), "opening the checkpoints removes the failed save's temporary directory"
+    assert not writing[0].exists(), "opening the checkpoints to train removes the failed save's temporary directory"
     abstract = {
         "w": jax.ShapeDtypeStruct((10,), np.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
     }

@@ -137,7 +137,7 @@ def restore_for_sampling(workdir, step: int | None = None, *, use_ema: bool = Tr
     from reve_jax.train import train_state
 
     workdir = Path(workdir)
-    ckpt = checkpoint.Checkpointer(workdir)
+    ckpt = checkpoint.Checkpointer(workdir, reader=True)
     try:
         steps = ckpt.steps()
         if not steps:
