@@ -6,6 +6,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
@@ -58,3 +60,19 @@ def pytest_collection_modifyitems(config, items):
         return LONG_FIRST.index(name) if name in LONG_FIRST else len(LONG_FIRST)
 
     items.sort(key=rank)  # stable: the other files, and the tests within a file, keep their order
+
+
+@pytest.fixture
+def launched():
+    """Starts elastic launchers (test_elastic_e2e.Launcher) for a test and kills whatever is left of them after."""
+    from test_elastic_e2e import Launcher
+
+    started = []
+
+    def start(*a, **kw):
+        started.append(Launcher(*a, **kw))
+        return started[-1]
+
+    yield start
+    for launcher in started:
+        launcher.kill()

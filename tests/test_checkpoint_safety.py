@@ -30,6 +30,7 @@ from reve_jax.checkpoint import (
     is_corruption,
     resume,
 )
+from reve_jax.elastic import backends
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -576,11 +577,7 @@ BARRIER_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_the_barrier_between_processes_times_out_instead_of_hanging():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = backends.free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS="")
     procs = [
         subprocess.Popen(

@@ -10,12 +10,13 @@ set aside exactly once.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
+
+from reve_jax.elastic import backends
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -63,9 +64,7 @@ SCRIPT = textwrap.dedent(
 
 
 def test_processes_agree_on_a_damaged_checkpoint_before_moving_it(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = backends.free_port()
     env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS="")
     procs = [
         subprocess.Popen(

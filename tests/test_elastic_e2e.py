@@ -131,20 +131,6 @@ def metrics_by_step(workdir: str) -> dict[int, dict]:
     return out
 
 
-@pytest.fixture
-def launched():
-    """Starts launchers for a test and kills whatever is left of them afterwards."""
-    started = []
-
-    def start(*a, **kw) -> Launcher:
-        started.append(Launcher(*a, **kw))
-        return started[-1]
-
-    yield start
-    for launcher in started:
-        launcher.kill()
-
-
 def fake_w(steps: int) -> float:
     """The fake worker's state after `steps` uninterrupted steps."""
     w = 1.0

@@ -9,7 +9,7 @@ import textwrap
 import time
 
 import pytest
-from test_elastic_e2e import Launcher, events, fake_args, last_metric_step
+from test_elastic_e2e import events, fake_args, last_metric_step
 
 from reve_jax.elastic import backends, fence
 from reve_jax.elastic.policy import PolicyConfig
@@ -114,19 +114,6 @@ def test_a_fence_that_cannot_be_read_refuses_the_write(tmp_path):
     (tmp_path / "bad" / fence.FENCE_FILE).write_text("x")
     with pytest.raises(fence.FenceUnreadable, match="not a group number"):
         fence.read_fence(str(tmp_path / "bad"))
-
-
-@pytest.fixture
-def launched():
-    started = []
-
-    def start(*a, **kw) -> Launcher:
-        started.append(Launcher(*a, **kw))
-        return started[-1]
-
-    yield start
-    for launcher in started:
-        launcher.kill()
 
 
 def test_a_fence_ahead_of_the_events_file_numbers_the_next_group_past_it(tmp_path, launched):

@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from test_elastic_e2e import FAKE, FAST, Launcher, events, fake_w, last_metric_step, metrics_by_step, wait_until
+from test_elastic_e2e import FAKE, FAST, events, fake_w, last_metric_step, metrics_by_step, wait_until
 
 from reve_jax.elastic.testbed import NetnsBed
 
@@ -25,19 +25,6 @@ pytestmark = pytest.mark.skipif(bool(NetnsBed.unavailable()), reason=NetnsBed.un
 def bed(tmp_path):
     with NetnsBed(3, str(tmp_path / "bed")) as b:
         yield b
-
-
-@pytest.fixture
-def launched():
-    started = []
-
-    def start(*a, **kw) -> Launcher:
-        started.append(Launcher(*a, **kw))
-        return started[-1]
-
-    yield start
-    for launcher in started:
-        launcher.kill()
 
 
 def read(path: str) -> str:
