@@ -9,6 +9,12 @@ from pathlib import Path
 
 import jax
 
+# XLA flags for programs whose compile time is most of their cost (the tests, the chaos soak, the recovery
+# benchmarks on CPU): LLVM's optimisation passes off. Compiles about 40% faster (tests/test_model.py's scan tests:
+# 49 s -> 30 s on 2 cores); a long run wants them on (its steps run slower). Not bit-for-bit the default build: the
+# feature net's training (perceptual/shapes.py) reached NaN at step 2 under them, tests/test_eval.py says why.
+FAST_COMPILE_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
 
 def enable_compile_cache(path: str | Path) -> None:
     """Persist compiled XLA programs under `path`, so a restarted process with the same program (an elastic

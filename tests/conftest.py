@@ -1,5 +1,5 @@
-"""Test set-up: 8 emulated CPU devices, set before JAX initialises its backends, and one persistent XLA compile
-cache for the session."""
+"""Test set-up: 8 emulated CPU devices compiled for fast compiles, set before JAX initialises its backends, and one
+persistent XLA compile cache for the session."""
 
 import atexit
 import os
@@ -8,7 +8,14 @@ import tempfile
 
 import pytest
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+from reve_jax.xla import FAST_COMPILE_FLAGS  # noqa: E402  (the flags are read when JAX makes its backends)
+
+# The tests check what programs compute; compiling is most of their time, and LLVM's optimisation passes were ~40% of
+# it. Subprocesses inherit these flags (those that set their own use util.xla_flags); tests/test_learning.py's run
+# leaves them out: it runs 500 steps.
+_flags = os.environ.get("XLA_FLAGS", "")
+if FAST_COMPILE_FLAGS not in _flags:  # under pytest-xdist the workers inherit the controller's
+    os.environ["XLA_FLAGS"] = f"{_flags} {FAST_COMPILE_FLAGS} --xla_force_host_platform_device_count=8".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # Many tests, and the train.py processes they start, compile the same tiny programs: compiling was most of

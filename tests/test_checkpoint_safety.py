@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
-from util import TINY
+from util import TINY, xla_flags
 
 from reve_jax.checkpoint import (
     Checkpointer,
@@ -470,9 +470,7 @@ DISK_FULL_SCRIPT = textwrap.dedent("""
 @pytest.mark.parametrize("how", ["save", "stage"])
 def test_disk_full_is_one_line_and_the_run_resumes_once_space_is_freed(small_disk, how):
     workdir = small_disk / "run"
-    env = dict(
-        os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8"
-    )
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(8))
     proc = subprocess.run(
         [sys.executable, "-c", DISK_FULL_SCRIPT, str(workdir), how],
         capture_output=True,
@@ -507,7 +505,7 @@ def test_disk_full_is_one_line_and_the_run_resumes_once_space_is_freed(small_dis
 def _train(workdir, *extra, timeout=300):
     cmd = [sys.executable, "scripts/train.py", "--config", "configs/tiny.py", "--workdir", str(workdir)]
     cmd += [f"--config.{o}" for o in TINY] + list(extra)
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(2))
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -578,7 +576,7 @@ BARRIER_SCRIPT = textwrap.dedent("""
 @pytest.mark.slow
 def test_the_barrier_between_processes_times_out_instead_of_hanging():
     port = backends.free_port()
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags())
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", BARRIER_SCRIPT, str(port), str(i)],

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from util import xla_flags
 
 from reve_jax import flops
 from reve_jax.config import ConfigError, apply_override, load_config
@@ -153,7 +154,7 @@ def test_global_batch_that_does_not_split_is_one_line_before_compiling(tmp_path)
         [sys.executable, "scripts/train.py", "--config", "configs/tiny.py", "--workdir", str(tmp_path / "w"),
          "--config.train.global_batch=12"],
         capture_output=True, text=True, timeout=120,
-        env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"},
+        env={**os.environ, "XLA_FLAGS": xla_flags(8), "JAX_PLATFORMS": "cpu"},
     )  # fmt: skip
     assert proc.returncode != 0
     assert "train.global_batch=12 must split evenly over 8 data-parallel devices" in proc.stderr

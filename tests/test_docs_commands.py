@@ -45,6 +45,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from util import xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT_S = 150
@@ -302,7 +303,7 @@ def run_command(c: Command, q: Quick, tmp: Path, run: Path | None) -> tuple[list
     env.update(c.env)
     env.update(
         JAX_PLATFORMS="cpu",
-        XLA_FLAGS=f"{dict(c.env).get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8".strip(),
+        XLA_FLAGS=f"{dict(c.env).get('XLA_FLAGS', '')} {xla_flags(8)}".strip(),
         PYTHONDONTWRITEBYTECODE="1",
         TMPDIR=str(tmp),
     )

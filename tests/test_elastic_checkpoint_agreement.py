@@ -16,6 +16,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from util import xla_flags
+
 from reve_jax.elastic import backends
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,7 +67,7 @@ SCRIPT = textwrap.dedent(
 
 def test_processes_agree_on_a_damaged_checkpoint_before_moving_it(tmp_path):
     port = backends.free_port()
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS="")
+    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags())
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", SCRIPT, str(port), str(i), str(tmp_path / "run")],

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+from util import xla_flags
 
 from reve_jax.elastic.events import read_events
 
@@ -42,7 +43,7 @@ class Launcher:
             script,
             *args,
         ]
-        env = dict(os.environ, XLA_FLAGS="")  # the launcher adds each host's device count
+        env = dict(os.environ, XLA_FLAGS=xla_flags())  # the launcher adds each host's device count
         self.proc = subprocess.Popen(
             argv, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -327,8 +328,7 @@ def _final_params(workdirs: list[str]) -> list[tuple[int, list]]:
 
 def _train_reference(workdir: str) -> None:
     """One uninterrupted process with 8 devices: the same global batch and data order as 4 x 2."""
-    flags = "--xla_force_host_platform_device_count=8"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(8))
     env.pop("REVE_NUM_PROCESSES", None)
     with open(os.path.join(os.path.dirname(workdir), "reference.log"), "wb") as log:
         code = subprocess.run(

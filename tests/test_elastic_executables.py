@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+from util import xla_flags
+
 from reve_jax.elastic.backends import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +41,7 @@ CHILD = textwrap.dedent(
 
 
 def run(n: int, devices: int, cache: str) -> list[str]:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(devices))
     port = str(free_port())
     procs = [
         subprocess.Popen([sys.executable, "-c", CHILD, str(n), str(i), port, cache], cwd=ROOT, env=env,

@@ -14,6 +14,7 @@ import time
 
 import pytest
 from test_elastic_e2e import FAKE, FAST, events, fake_w, last_metric_step, metrics_by_step, wait_until
+from util import xla_flags
 
 from reve_jax.elastic.testbed import NetnsBed
 
@@ -195,8 +196,7 @@ def test_slurm_job_loses_a_node_and_continues(tmp_path, slurm):
 def compile_ahead(cache: str, devices: int, overrides: list[str]) -> None:
     """What the supervisor's compile-ahead job does, done before the run: one process with `devices` CPU
     devices compiles the step into `cache`."""
-    flags = f"--xla_force_host_platform_device_count={devices}"
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache, XLA_FLAGS=flags)
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=cache, XLA_FLAGS=xla_flags(devices))
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     argv = [sys.executable, "-m", "reve_jax.elastic.precompile", "--config", "configs/tiny.py", *overrides]
     done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)

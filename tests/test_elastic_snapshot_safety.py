@@ -16,6 +16,7 @@ import types
 
 import numpy as np
 import pytest
+from util import xla_flags
 
 from reve_jax.elastic import auth, fence, peers, snapstore
 from reve_jax.elastic.snapshot import Snapshots
@@ -287,7 +288,7 @@ def test_a_superseded_group_writes_no_snapshot(tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=""),
+        env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags()),
     )
     try:
         assert proc.stdout.readline().strip() == "saved 1", proc.stderr.read() if proc.poll() is not None else ""

@@ -11,7 +11,7 @@ import time
 import jax
 import numpy as np
 import pytest
-from util import TINY, tiny_config
+from util import TINY, tiny_config, xla_flags
 
 from reve_jax import sharding
 from reve_jax.checkpoint import Checkpointer, CheckpointError
@@ -113,7 +113,7 @@ def _train_cmd(workdir, *extra):
 
 
 def test_train_script_end_to_end_with_sigterm_and_resume(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(2))
     cmd = _train_cmd(tmp_path, "--config.train.steps=100000", "--config.train.log_every=1")
     with open(tmp_path / "train.log", "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)

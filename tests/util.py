@@ -4,6 +4,7 @@ import importlib.util
 from pathlib import Path
 
 from reve_jax.config import apply_override, load_config, validate
+from reve_jax.xla import FAST_COMPILE_FLAGS
 
 # The test job's own choices on configs/tiny.py (a config given as `base` keeps its own): AdamW, as tiny.py's Muon
 # compiles its Newton-Schulz iterations for long (the tests that need Muon say so), and no end-of-run scoring of
@@ -36,6 +37,13 @@ TINY = [
     "ema.decays=(0.9,)",
     *JOB,
 ]
+
+
+def xla_flags(devices: int | None = None) -> str:
+    """XLA_FLAGS for a test's subprocess: compiled fast (the tests check values, not speed), `devices` CPU devices
+    (None: the launcher or the process sets its own count)."""
+    count = f" --xla_force_host_platform_device_count={devices}" if devices else ""
+    return FAST_COMPILE_FLAGS + count
 
 
 def tiny_config(*overrides: str, base: str = "configs/tiny.py"):

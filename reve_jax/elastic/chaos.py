@@ -39,6 +39,7 @@ from pathlib import Path
 
 from reve_jax.elastic import events as events_file
 from reve_jax.elastic import snapstore, soakcheck
+from reve_jax.xla import FAST_COMPILE_FLAGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KINDS = ("kill", "stop", "partition", "sshd", "disk", "corrupt", "supervisor")
@@ -51,7 +52,6 @@ MODEL = [
     "--config.optim.warmup_steps=10",
     "--config.mesh.fsdp=2",  # the state sharded: every process writes (and snapshots) pieces of its own
 ]  # fmt: skip
-FAST_XLA = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 
 
 class SoakError(RuntimeError):
@@ -116,7 +116,7 @@ class Soak:
         self.launches = 0
         self.rows: list[dict] = []
         self.overrides = [*MODEL, f"--config.train.steps={self.steps}", f"--config.train.ckpt_every={s.ckpt_every}"]
-        self.env = dict(os.environ, XLA_FLAGS=FAST_XLA, PYTHONPATH=ROOT)
+        self.env = dict(os.environ, XLA_FLAGS=FAST_COMPILE_FLAGS, PYTHONPATH=ROOT)
 
     # ------------------------------------------------------------------------------------------- the run
     def argv(self) -> list[str]:
@@ -330,7 +330,7 @@ class Soak:
         """The same config trained without interruption: one process with all the bed's devices."""
         ref = self.root / "reference"
         env = dict(self.env, JAX_PLATFORMS="cpu")
-        env["XLA_FLAGS"] = f"{FAST_XLA} --xla_force_host_platform_device_count={2 * self.s.hosts}"
+        env["XLA_FLAGS"] = f"{FAST_COMPILE_FLAGS} --xla_force_host_platform_device_count={2 * self.s.hosts}"
         env["JAX_COMPILATION_CACHE_DIR"] = str(self.root / "jax_cache")
         argv = [sys.executable, os.path.join(ROOT, "scripts", "chaos.py"), "--worker", "--config", "configs/tiny.py",
                 "--workdir", str(ref), *self.overrides]  # fmt: skip
