@@ -27,8 +27,9 @@ lists as `inputs` ("" for positional arguments) and of every `--config.*path=` o
 files: an empty file (or a folder, for a value without a suffix) is made there; `runs` options name a finished
 run: a workdir holding one checkpoint of configs/tiny.py's config is put there (the dry runs read its config).
 
-Each command runs in a subprocess from the repository root, on the CPU with 8 emulated devices, with a hard
-timeout; the commands run two at a time (a session-wide pool) and each test waits for its own.
+Each command runs in its own process from the repository root, on the CPU with 8 emulated devices, with a hard
+timeout; the commands run two at a time (a session-wide pool) and each test waits for its own. A Python command
+is forked from tests/zygote.py, which has imported the heavy libraries once (its docstring says what that changes).
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import glob
+import json
 import os
+import queue
 import re
 import shlex
 import shutil
@@ -297,7 +300,40 @@ def _is_path(value: str) -> bool:
     return "/" in value or bool(FILE_SUFFIX.fullmatch(value))
 
 
-def run_command(c: Command, q: Quick, tmp: Path, run: Path | None) -> tuple[list[str], subprocess.CompletedProcess]:
+class Zygote:
+    """tests/zygote.py: forks a command with the heavy libraries already imported (its docstring)."""
+
+    def __init__(self):
+        argv = [sys.executable, str(ROOT / "tests" / "zygote.py")]
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert json.loads(self.proc.stdout.readline()) == {"ready": True}
+
+    def run(self, argv: list[str], env: dict, tmp: Path, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+        out, err = tmp / "zygote.out", tmp / "zygote.err"
+        req = dict(argv=argv[1:], env=env, cwd=str(ROOT), out=str(out), err=str(err), timeout=timeout)
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        reply = self.proc.stdout.readline()
+        assert reply, "the zygote died"
+        code = json.loads(reply)["code"]
+        errors = err.read_text(errors="replace") + (f"timed out after {timeout} s" if code == -9 else "")
+        return subprocess.CompletedProcess(argv, code, out.read_text(errors="replace"), errors)
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=10)
+
+
+def _forks(argv: list[str], env_of_command: dict) -> bool:
+    """Whether the zygote can run it: a Python script or module other than pytest, without JAX options of its own
+    (the zygote's JAX read its options when it was imported)."""
+    own_jax = any(k.startswith("JAX") for k in env_of_command)
+    return argv[0] == sys.executable and "pytest" not in argv[1:3] and not own_jax
+
+
+def run_command(
+    c: Command, q: Quick, tmp: Path, run: Path | None, zygotes: queue.Queue
+) -> tuple[list[str], subprocess.CompletedProcess]:
     argv = quick_argv(c, q, tmp, run)
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env.update(c.env)
@@ -307,6 +343,12 @@ def run_command(c: Command, q: Quick, tmp: Path, run: Path | None) -> tuple[list
         PYTHONDONTWRITEBYTECODE="1",
         TMPDIR=str(tmp),
     )
+    if _forks(argv, dict(c.env)):
+        zygote = zygotes.get()
+        try:
+            return argv, zygote.run(argv, env, tmp)
+        finally:
+            zygotes.put(zygote)
     try:
         proc = subprocess.run(
             argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=TIMEOUT_S
@@ -332,12 +374,17 @@ def started(request, tmp_path_factory):
     jobs = {str(c): (c, quick_for(c)) for c in chosen if quick_for(c) is not None}  # a repeated command runs once
     run = saved_run(tmp_path_factory.mktemp("saved_run")) if any(q.runs for _, q in jobs.values()) else None
     tmps = {text: tmp_path_factory.mktemp("cmd") for text in jobs}
+    zygotes = queue.Queue()
+    for _ in range(WORKERS if jobs else 0):
+        zygotes.put(Zygote())
     pool = concurrent.futures.ThreadPoolExecutor(WORKERS)
     try:
-        futures = {text: pool.submit(run_command, c, q, tmps[text], run) for text, (c, q) in jobs.items()}
+        futures = {text: pool.submit(run_command, c, q, tmps[text], run, zygotes) for text, (c, q) in jobs.items()}
         yield {c.where: futures[str(c)] for c in chosen if str(c) in futures}
     finally:
         pool.shutdown(cancel_futures=True)  # after -x or Ctrl-C, the commands not yet started are dropped
+        while not zygotes.empty():
+            zygotes.get().close()
 
 
 def _param(c: Command):
@@ -422,3 +469,26 @@ def test_parse_only_rejects_an_unknown_option_or_config_key(argv, why):
     good = [a for a in argv if a not in ("--bogus", "--config.model.nope=1", "--config.train.steps=x")]
     ok = subprocess.run([*run, *good], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0 and "arguments parsed: " in ok.stdout, (ok.stdout[-2000:], ok.stderr[-2000:])
+
+
+def test_the_zygote_runs_a_command_as_its_own_process_would(tmp_path):
+    """A forked command gets its arguments, environment and working directory, its output and exit status come
+    back, an unknown config key fails it as the script's own process would, and a hung one is killed."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(8), TMPDIR=str(tmp_path), REVE_PROBE="seen")
+    train = [sys.executable, "scripts/train.py", "--config", "configs/tiny.py", "--workdir", str(tmp_path / "w")]
+    probe = tmp_path / "probe.py"
+    probe.write_text("import os, sys, tempfile\nprint(os.environ['REVE_PROBE'], tempfile.gettempdir(), sys.argv[1:])\n")
+    zygote = Zygote()
+    try:
+        good = zygote.run([*train, "--dry-run"], env, tmp_path)
+        assert good.returncode == 0 and "dry run: " in good.stdout + good.stderr, good
+        bad = zygote.run([*train, "--config.model.nope=1", "--dry-run"], env, tmp_path)
+        assert bad.returncode != 0 and "nope" in bad.stderr and "dry run: " not in bad.stdout, bad
+        seen = zygote.run([sys.executable, str(probe), "a b"], env, tmp_path)
+        assert seen.returncode == 0 and seen.stdout.strip() == f"seen {tmp_path} ['a b']", seen
+        hang = tmp_path / "hang.py"
+        hang.write_text("import time\ntime.sleep(600)\n")
+        hung = zygote.run([sys.executable, str(hang)], env, tmp_path, timeout=1)
+        assert hung.returncode == -9 and "timed out" in hung.stderr
+    finally:
+        zygote.close()
