@@ -22,6 +22,18 @@ def test_experiment_configs_load_and_validate(path):
     assert cfg.data.image_size % cfg.model.patch == 0
 
 
+@pytest.mark.parametrize("path", ["configs/recipe/baseline.py", "configs/recipe/full.py"])
+@pytest.mark.parametrize("size", ["tiny", "jit_b16", "prx_1b", "tiny,jit,bottleneck,tread,muon,ddt"])
+def test_recipe_configs_load_and_validate_at_every_size(path, size):
+    """Loading validates; test_recipe.py trains each path (baseline, DiT recipe, DDT recipe) at test size."""
+    cfg = load_config(f"{path}:{size}")
+    base = load_config(f"configs/{size.split(',')[0]}.py")
+    assert (cfg.model.width, cfg.model.depth, cfg.data.image_size) == (
+        base.model.width, base.model.depth, base.data.image_size,
+    )  # fmt: skip
+    assert (cfg.optim.name == "muon") == (path.endswith("full.py") or "muon" in size)
+
+
 def test_named_sizes_match_the_recipe():
     jit_b = load_config("configs/jit_b16.py")
     assert (jit_b.model.depth, jit_b.model.width, jit_b.model.heads, jit_b.model.patch) == (12, 768, 12, 16)

@@ -366,8 +366,9 @@ def _matches_reference(wd: str, ref: str) -> None:
 def test_real_trainer_kill_one_of_four_matches_uninterrupted_run(tmp_path, launched, reference):
     ref = reference
     wd = str(tmp_path / "elastic")
-    # The kill comes before a compile ahead could finish: it would only slow this test (test_elastic_netns times it).
-    args = ["--heartbeat-timeout", "5", "--no-readmit", "--no-precompile", *TINY]
+    # The kill comes before a compile ahead could finish, and the warm standbys (4 more processes importing JAX,
+    # then 3 for the new group) would only slow this test on 2 cores: test_elastic_netns times both.
+    args = ["--heartbeat-timeout", "5", "--no-readmit", "--no-precompile", "--no-standby", *TINY]
     run = launched(wd, 4, args, script=TRAIN)
     wait_until(lambda: last_metric_step(wd) >= 4, 240, "step 4 of the trainer")
     t_kill = time.time()
@@ -392,7 +393,8 @@ def test_real_trainer_resumes_from_peer_snapshots_after_a_kill(tmp_path, launche
     wd = str(tmp_path / "elastic")
     shm = tmp_path / "shm"  # stands in for /dev/shm, so that the test leaves nothing there
     args = [
-        "--heartbeat-timeout", "5", "--no-readmit", "--no-precompile", *TINY, "--config.train.ckpt_every=100",
+        "--heartbeat-timeout", "5", "--no-readmit", "--no-precompile", "--no-standby", *TINY,
+        "--config.train.ckpt_every=100",
         "--config.elastic.snapshot_every=1", f"--config.elastic.snapshot_dir={shm}",
     ]  # fmt: skip
     run = launched(wd, 4, args, script=TRAIN)

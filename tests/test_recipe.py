@@ -71,11 +71,12 @@ def _routed_saving(cfg):
     return 3 * cfg.train.global_batch * (end - m.route.start) * per_block
 
 
+# Each path of the recipe configs: the baseline (at two sizes), the DiT with the recipe (jit_b16; full.py:tiny is the
+# same techniques at another patch size) and the JIT-DDT with it (at two sizes). Every config file and size loads in
+# test_config.py.
 RECIPES = [
     "configs/recipe/baseline.py:tiny",
-    "configs/recipe/full.py:tiny",
     "configs/recipe/full.py:tiny,jit,bottleneck,tread,muon,ddt",
-    "configs/recipe/baseline.py:jit_b16",
     "configs/recipe/full.py:jit_b16",
     "configs/recipe/baseline.py:prx_1b",
     "configs/recipe/full.py:prx_1b,jit,bottleneck,tread,muon,ddt",
