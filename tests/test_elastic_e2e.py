@@ -302,7 +302,7 @@ TINY = [
     "--config.model.depth=1", "--config.model.width=32", "--config.model.heads=2", "--config.text.width=32",
     "--config.text.depth=1", "--config.text.heads=2", "--config.data.image_size=16", "--config.train.steps=10",
     "--config.train.ckpt_every=3", "--config.train.log_every=1", "--config.train.global_batch=24",
-    "--config.train.sample_every=0", "--config.sample.num=2", "--config.sample.steps=1",
+    "--config.train.sample_every=0", "--config.sample.num=0", "--config.sample.steps=1",
     "--config.train.peak_tflops=1", "--config.data.worker_threads=1",
 ]  # fmt: skip
 TRAIN = os.path.join(ROOT, "scripts", "train.py")

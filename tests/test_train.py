@@ -136,7 +136,7 @@ def test_train_script_end_to_end_with_sigterm_and_resume(tmp_path):
     # The next launch resumes where the stop left off and finishes.
     final_step = stopped["step"] + 2
     done = subprocess.run(
-        _train_cmd(tmp_path, f"--config.train.steps={final_step}"),
+        _train_cmd(tmp_path, f"--config.train.steps={final_step}", "--config.sample.num=2"),
         env=env,
         capture_output=True,
         text=True,

@@ -47,7 +47,7 @@ KINDS = ("kill", "stop", "partition", "sshd", "disk", "corrupt", "supervisor")
 MODEL = [
     "--config.model.depth=1", "--config.model.width=32", "--config.model.heads=2", "--config.text.width=32",
     "--config.text.depth=1", "--config.text.heads=2", "--config.data.image_size=16", "--config.train.log_every=10",
-    "--config.train.global_batch=12", "--config.train.sample_every=0", "--config.sample.num=2",
+    "--config.train.global_batch=12", "--config.train.sample_every=0", "--config.sample.num=0",
     "--config.sample.steps=1", "--config.train.peak_tflops=1", "--config.model.attention=xla",
     "--config.optim.warmup_steps=10",
     "--config.mesh.fsdp=2",  # the state sharded: every process writes (and snapshots) pieces of its own
