@@ -64,7 +64,7 @@ def get_config() -> ml_collections.ConfigDict:
     t.encoder = "builtin"  # builtin (trainable, built-in tokenizer) | precomputed (batch carries text_emb)
     t.max_len = 32  # tokens per caption (padding/truncation)
     t.width = 128  # built-in text encoder width
-    t.depth = 2  # built-in text encoder blocks
+    t.depth = 2  # built-in text encoder blocks (0: the word and position embeddings alone, each word apart)
     t.heads = 4
     t.emb_dim = 384  # width of precomputed embeddings (text.encoder=precomputed)
     # The frozen encoder that made the precomputed embeddings (minilm | t5 | t5gemma | qwen), so that sampling can
@@ -207,7 +207,7 @@ def get_config() -> ml_collections.ConfigDict:
     # that starts past t = 1 - diffusion.t_eps and leaves noise in the image
     s.t_eps = 0.0
     s.route_guidance = 0.0  # routed self-guidance s: out = routed + s*(full - routed); 0 = off
-    s.num = 16  # images in the training sample grid
+    s.num = 16  # images in the training sample grid (0: none)
     s.score_num = 64  # held-out captions the reader scores at each sample step and at the end (synthetic; 0 = off)
     s.seed = 1234  # fixed noise seed for sample grids
     s.use_ema = True

@@ -97,6 +97,23 @@ def test_first_exit_is_blamed_not_the_cascade():
     assert r.records("quarantine") == [{"host": "h1", "strikes": 1}]
 
 
+@pytest.mark.parametrize("killed, aborted", [(-9, -6), (137, 134)])
+def test_a_peer_that_aborts_in_the_same_poll_is_not_blamed(killed, aborted):
+    """The supervisor can see the killed process and a peer that aborted on its loss in one poll (measured on the
+    namespace bed: exit codes 137 and 134 through ssh, both at once): the abort is the cascade."""
+    r = Run()
+    r.train(3)
+    r.feed(P.Exit(r.t, 0, "h2", aborted))
+    r.feed(P.Exit(r.t, 0, "h1", killed))
+    r.tick(0.5)
+    assert r.records("quarantine") == [{"host": "h1", "strikes": 1}]
+    alone = Run()  # an abort with no other cause in sight is the host's own
+    alone.train(3)
+    alone.feed(P.Exit(alone.t, 0, "h2", aborted))
+    alone.tick(0.5)
+    assert alone.records("quarantine") == [{"host": "h2", "strikes": 1}]
+
+
 def test_every_process_raising_is_no_hosts_fault():
     r = Run()
     r.train(3)

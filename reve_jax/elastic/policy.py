@@ -13,6 +13,7 @@ one process per host; it is running, stopping (asked to stop cleanly at the next
 from __future__ import annotations
 
 import dataclasses
+import signal
 from collections import Counter
 from collections.abc import Sequence
 
@@ -363,6 +364,9 @@ class Policy:
                 first = min(m.exit_t for m in failed)
                 blamed = [m for m in failed if m.exit_t == first]
                 blamed = [m for m in blamed if _died_by_signal(m.exit_code)] or blamed
+                # Exits seen in the same poll: a peer that aborted (SIGABRT: its collective or the coordination
+                # service lost the dead process) is the cascade, not the cause, if another died by a signal of its own.
+                blamed = [m for m in blamed if not _aborted(m.exit_code)] or blamed
                 self._fail(t, [m.host for m in blamed], f"exit code {blamed[0].exit_code}", first, out)
             return
         if g.live():
@@ -630,6 +634,12 @@ class Policy:
 def _died_by_signal(code: int | None) -> bool:
     """Exit codes of a process killed by a signal: negative from Popen, 128+n through a shell or ssh."""
     return code is not None and (code < 0 or code >= 128)
+
+
+def _aborted(code: int | None) -> bool:
+    """A process that aborted itself (SIGABRT, 6): what gloo and JAX's coordination service do to the survivors of a
+    dead peer."""
+    return code is not None and _died_by_signal(code) and (-code if code < 0 else code - 128) == signal.SIGABRT
 
 
 def _blame_hang(members: list[Member]) -> list[str]:

@@ -151,7 +151,7 @@ class SampleHook:
                 ds = pipeline.eval_dataset(self.cfg.data, name)
                 captions, text = sample_prompts(self.cfg, ds, n, index=range(n))
                 self.sets[name] = (captions, text, [ds.scene(j) for j in range(n)] if s.score_num else None)
-        else:
+        elif s.num:  # sample.num 0: no grid
             captions, text = sample_prompts(self.cfg, run.stages[0].dataset, s.num)
             self.sets["last"] = (captions, text, None)
         self.scores: dict[str, dict[str, float]] = {}
