@@ -7,15 +7,16 @@ import shutil
 import tempfile
 
 import pytest
+from util import xla_flags
 
-from reve_jax.xla import FAST_COMPILE_FLAGS  # noqa: E402  (the flags are read when JAX makes its backends)
+from reve_jax.xla import FAST_COMPILE_FLAGS
 
-# The tests check what programs compute; compiling is most of their time, and LLVM's optimisation passes were ~40% of
-# it. Subprocesses inherit these flags (those that set their own use util.xla_flags); tests/test_learning.py's run
-# leaves them out: it runs 500 steps.
+# Read when JAX makes its backends, so set before any test runs. The tests check what programs compute; compiling is
+# most of their time, and LLVM's optimisation passes were ~40% of it. Subprocesses inherit these flags (those that set
+# their own use util.xla_flags); tests/test_learning.py's run leaves them out: it trains 250 steps.
 _flags = os.environ.get("XLA_FLAGS", "")
 if FAST_COMPILE_FLAGS not in _flags:  # under pytest-xdist the workers inherit the controller's
-    os.environ["XLA_FLAGS"] = f"{_flags} {FAST_COMPILE_FLAGS} --xla_force_host_platform_device_count=8".strip()
+    os.environ["XLA_FLAGS"] = f"{_flags} {xla_flags(8)}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     # Many tests, and the train.py processes they start, compile the same tiny programs: compiling was most of

@@ -10,8 +10,8 @@ The child is the command as `python argv...` would run it: the request's environ
 arguments, sys.path[0] set as the interpreter sets it, the script run as `__main__`, stdout and stderr to the
 files, an exception's traceback printed and status 1, interpreter exit as usual (atexit handlers run). What it
 cannot give: a library imported here read its environment variables at import (JAX's `JAX_*` options), so a
-command with JAX_* or XLA options of its own should not come here (XLA_FLAGS is read later, when a backend is made,
-and is fine). Nothing here starts a JAX backend or a thread, so forking is safe.
+command that sets JAX_* variables of its own should not come here (XLA_FLAGS is read later, when a backend is made,
+and may differ per command). Nothing here starts a JAX backend or a thread, so forking is safe.
 """
 
 import json
