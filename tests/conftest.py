@@ -13,7 +13,7 @@ from reve_jax.xla import FAST_COMPILE_FLAGS
 
 # Read when JAX makes its backends, so set before any test runs. The tests check what programs compute; compiling is
 # most of their time, and LLVM's optimisation passes were ~40% of it. Subprocesses inherit these flags (those that set
-# their own use util.xla_flags); tests/test_learning.py's run leaves them out: it trains 250 steps.
+# their own use util.xla_flags); tests/test_learning.py's run leaves them out: it trains 500 steps.
 _flags = os.environ.get("XLA_FLAGS", "")
 if FAST_COMPILE_FLAGS not in _flags:  # under pytest-xdist the workers inherit the controller's
     os.environ["XLA_FLAGS"] = f"{_flags} {xla_flags(8)}".strip()

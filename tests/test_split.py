@@ -44,7 +44,8 @@ def _train_indices(cfg, steps: int) -> np.ndarray:
     stage = pipeline.make_stages(cfg.data, cfg.train.global_batch)[0]
     positions = np.arange(steps * cfg.train.global_batch)
     indices = stage.order.order(positions)  # FlatOrder's global permutation, vectorised
-    assert [stage.order(int(p) // 32, int(p) % 32) for p in positions[::997]] == indices[::997].tolist()
+    b = cfg.train.global_batch
+    assert [stage.order(int(p) // b, int(p) % b) for p in positions[::997]] == indices[::997].tolist()
     return indices
 
 
@@ -52,8 +53,8 @@ def test_the_readme_run_never_reads_a_heldout_composition():
     cfg = load_config("configs/tiny.py", [])
     held = _held(cfg)
     ds = pipeline.dataset_from_config(cfg.data)
-    indices = _train_indices(cfg, cfg.train.steps)  # the whole run: 2,000 steps of 32
-    assert len(indices) == 64_000
+    indices = _train_indices(cfg, cfg.train.steps)  # the whole run: 6,000 steps of 8
+    assert len(indices) == cfg.train.steps * cfg.train.global_batch == 48_000
     scenes = [ds.scene(int(i)) for i in indices]
     assert not any(held.in_scene(s) for s in scenes)
     # Every color, shape and cell is still trained on, and so is every trained color-shape pair.
