@@ -37,7 +37,7 @@ def dry_run(size, methods, extra: tuple[str, ...], args) -> None:
         f"sweep {args.rate or 'every rate'} {list(size.sweep_lrs)} and guidance {list(size.cfg_scales)} of "
         f"{', '.join(methods)} on seeds {list(size.seeds if args.seeds else size.tune_seeds)}"
         if args.sweep
-        else f"train {size.baseline} and {', '.join(methods)} on seeds {list(size.seeds)}"
+        else f"train {', '.join(dict.fromkeys((size.baseline, *methods)))} on seeds {list(size.seeds)}"
     )
     where = f"on mesh {cli.describe_mesh(mesh)} into {args.out}"
     cli.dry_run_exit(f"would {what} ({size.name}, {size.steps} steps) {where}")
