@@ -41,10 +41,10 @@ def test_the_split_depends_on_its_own_seed_only():
 
 def _train_indices(cfg, steps: int) -> np.ndarray:
     """Every dataset index the trainer's input reads in `steps` steps (the stage's global order, all processes)."""
-    stage = pipeline.make_stages(cfg.data, cfg.train.global_batch)[0]
-    positions = np.arange(steps * cfg.train.global_batch)
-    indices = stage.order.order(positions)  # FlatOrder's global permutation, vectorised
     b = cfg.train.global_batch
+    stage = pipeline.make_stages(cfg.data, b)[0]
+    positions = np.arange(steps * b)
+    indices = stage.order.order(positions)  # FlatOrder's global permutation, vectorised
     assert [stage.order(int(p) // b, int(p) % b) for p in positions[::997]] == indices[::997].tolist()
     return indices
 

@@ -3,10 +3,10 @@ colors, 3 shapes, one object on 32 px; its own autoencoder, the `cpu` size's set
 cached: 830 s on 2 cores, reconstructions 0.996). Scored on the unseen compositions (never in the training stream).
 
 The budget is baseline A's plateau: on the calibration seeds 102 and 103 (neither a tuning nor a headline seed; the
-frozen rates below), a 3,000-step run's align_overall stops rising by step 2,000 (0.849-0.859 and 0.840-0.844 over
+frozen rates below), a 3,000-step run's align_overall stops rising by step 2,000 (0.852-0.859 and 0.840-0.844 over
 its last six evaluations; docs/speedup_log.md, 2026-12-05), where the earlier 1,000-step budget ended on the rise.
 15 evaluations of 128 captions, the final one on 256. A run takes about 9 minutes on 2 cores, so the 2x2 on 5 seeds
-is about 3 hours and each method's sweep about 2-4 hours: no longer the 30 minutes the name recalls.
+is about 3 hours and each method's sweep at least 8 runs (16 for a Muon arm): no longer the 30 minutes the name recalls.
 
     python scripts/bench_speedup.py --size cpu30 --out runs/speedup_cpu30                       # the headline
     python scripts/bench_speedup.py --size cpu30 --out runs/sweep_cpu30 --sweep --methods latent
