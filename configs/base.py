@@ -87,6 +87,9 @@ def get_config() -> ml_collections.ConfigDict:
     # beside training-like ones ("seen"). 0 trains on every composition (then only "seen" can be scored).
     d.heldout_frac = 0.15
     d.heldout_seed = 0
+    # Training captions only: the chance that a caption leaves out each object's size, color, shape or position word
+    # (each apart), so each word is also learned without the others; 0 states every attribute.
+    d.caption_drop = 0.0
     d.path = ""  # shards directory (data.name=shards)
     d.worker_threads = 2  # grain read threads per process (each builds whole batches)
     d.worker_processes = 0  # grain worker processes (0: none); for hosts where the GIL-bound decode starves the step

@@ -249,6 +249,7 @@ ADDED_KEYS = {
     "data.colors": (),
     "data.heldout_frac": 0.0,  # runs before the split trained on every composition
     "data.heldout_seed": 0,
+    "data.caption_drop": 0.0,  # every caption stated every attribute
     "optim.decay_frac": 0.2,
     "data.stages": (),
     "ema.warmup_power": -1.0,  # a fixed EMA decay from the first step

@@ -101,6 +101,41 @@ def test_caption_states_every_attribute():
         synthetic.parse_caption("a photo of a cat")
 
 
+def test_caption_drop_leaves_words_out_of_training_captions_only():
+    """data.caption_drop: each object word of a training caption is left out apart, at the set rate, drawn from
+    the sample's key; images, scenes and evaluation captions are those of the dataset without it."""
+    heldout = pipeline.heldout_compositions(_data_cfg())
+    full = SyntheticShapes(16, 10_000, max_objects=2, render="fixed", heldout=heldout)
+    drop = SyntheticShapes(16, 10_000, max_objects=2, render="fixed", heldout=heldout, caption_drop=0.3)
+    missing, objects = dict.fromkeys(synthetic.OMITTABLE, 0), 0
+    for i in range(1500):
+        scene, cap = drop.scene(i), drop[i]["caption"]
+        assert scene == full.scene(i) and cap == drop.caption(i)  # the same scene; one caption per index
+        assert "<unk>" not in tokenizer.decode(tokenizer.encode(cap, 64)[0])
+        assert cap.endswith(f", on {'an' if scene.background[0] in 'aeiou' else 'a'} {scene.background} background")
+        phrases = cap.rsplit(", on ", 1)[0].replace(" and ", ", ").split(", ")
+        assert len(phrases) == len(scene.objects)
+        for o, phrase in zip(scene.objects, phrases, strict=True):
+            words = {"size": o.size, "color": o.color, "shape": o.shape, "position": synthetic.CELL_PHRASES[o.cell]}
+            kept = [a for a in synthetic.OMITTABLE if f" {words[a]}" in f" {phrase}"]
+            assert phrase == " ".join(["a", *(words[a] for a in kept)])  # the remaining words, in caption order
+            objects += 1
+            for a in synthetic.OMITTABLE:
+                missing[a] += a not in kept
+    for a, n in missing.items():  # 0.3 each; the standard error over ~2,250 objects is 0.01
+        assert abs(n / objects - 0.3) < 0.04, (a, n / objects)
+    np.testing.assert_array_equal(drop[7]["image"], full[7]["image"])
+    for which in ("unseen", "seen"):  # evaluation captions state every attribute
+        want = [full.with_split(which).caption(i) for i in range(50)]
+        assert [drop.with_split(which).caption(i) for i in range(50)] == want
+    assert drop.with_split("seen").with_split("train").caption(3) == drop.caption(3)  # the rate carries over
+    assert pipeline.dataset_from_config(_data_cfg(caption_drop=0.3)).caption_drop == 0.3
+    with pytest.raises(ValueError, match="caption_drop"):
+        SyntheticShapes(16, 10, caption_drop=1.0)
+    with pytest.raises(ValueError, match="cannot leave out"):
+        synthetic.caption_of(full.scene(0), (frozenset({"background"}),))
+
+
 def test_sizes_and_shapes_differ_at_every_resolution():
     for size in (32, 64, 256, 512):
         areas = {

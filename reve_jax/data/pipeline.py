@@ -264,6 +264,7 @@ def _open_dataset(data_cfg: Any, what: Any, which: str = "train") -> Dataset:
             render=data_cfg.get("render", "fixed"),
             heldout=heldout_compositions(data_cfg),
             split=which,
+            caption_drop=data_cfg.get("caption_drop", 0.0),
         )
     return shards.ShardSource(what)
 

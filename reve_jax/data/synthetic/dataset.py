@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from reve_jax.data.synthetic.grammar import COLOR_NAMES, GRID, SHAPES, Scene, caption_of, sample_scene
+from reve_jax.data.synthetic.grammar import COLOR_NAMES, GRID, OMITTABLE, SHAPES, Scene, caption_of, sample_scene
 from reve_jax.data.synthetic.render import (
     RENDERS,
     Style,
@@ -12,6 +12,8 @@ from reve_jax.data.synthetic.render import (
     sample_style,
 )
 from reve_jax.data.synthetic.split import NONE, SPLIT_TAGS, SPLITS, Compositions
+
+_KEY_CAPTION = 1003  # the key tag of a training caption's left-out words (controls.py uses 1001 and 1002)
 
 
 class SyntheticShapes:
@@ -30,6 +32,10 @@ class SyntheticShapes:
       split: "train" (no held-out composition), "unseen" (at least one) or "seen" (training-like scenes from a
         stream the training never reads); see split.py. With no held-out compositions "train" is every scene, as in
         earlier versions.
+      caption_drop: in the train split, the probability that a caption leaves out each object's size, color, shape
+        or position word (each apart, drawn from the sample's key; the image still shows it), so that each word is
+        also learned without the others. Evaluation splits state every attribute. 0 (the default): every caption
+        states everything, as in earlier versions.
     """
 
     def __init__(
@@ -45,6 +51,7 @@ class SyntheticShapes:
         render: str = "jitter",
         heldout: Compositions = NONE,
         split: str = "train",
+        caption_drop: float = 0.0,
     ):
         if image_size < 9:
             raise ValueError(f"data.image_size={image_size}: need at least 9 pixels (3 per grid cell)")
@@ -61,6 +68,8 @@ class SyntheticShapes:
             raise ValueError(f"data.shapes={shapes}: distinct names from {SHAPES}")
         if not set(colors) <= set(COLOR_NAMES) or len(set(colors)) != len(colors) or len(colors) < 2:
             raise ValueError(f"data.colors={colors}: at least 2 distinct names from {COLOR_NAMES}")
+        if not 0.0 <= caption_drop < 1.0:
+            raise ValueError(f"data.caption_drop={caption_drop}: a probability in [0, 1) (0 states every attribute)")
         if render not in RENDERS:
             raise ValueError(f"data.render={render!r}: choose one of {RENDERS}")
         self.image_size = int(image_size)
@@ -77,6 +86,8 @@ class SyntheticShapes:
                 "a run that trained on every composition): score the seen split instead"
             )
         self.heldout, self.split = heldout, split
+        self.caption_drop = float(caption_drop)
+        self._drop = self.caption_drop if split == "train" else 0.0  # evaluation captions state everything
         self._tag = (SPLIT_TAGS[split],) if split in SPLIT_TAGS else ()
 
     def with_split(self, split: str) -> "SyntheticShapes":
@@ -84,6 +95,7 @@ class SyntheticShapes:
         return SyntheticShapes(
             self.image_size, self.num_samples, self.seed, self.max_objects, min_objects=self.min_objects,
             shapes=self.shapes, colors=self.colors, render=self.render, heldout=self.heldout, split=split,
+            caption_drop=self.caption_drop,
         )  # fmt: skip
 
     def key(self, index: int, *extra: int) -> list[int]:
@@ -119,7 +131,15 @@ class SyntheticShapes:
 
     def caption(self, index: int) -> str:
         """The caption of sample `index` (cheap: no rendering)."""
-        return caption_of(self.scene(index))
+        return self._caption(index, self.scene(index))
+
+    def _caption(self, index: int, scene: Scene) -> str:
+        if not self._drop:
+            return caption_of(scene)
+        rng = np.random.default_rng(self.key(index, _KEY_CAPTION))
+        drop = rng.random((len(scene.objects), len(OMITTABLE))) < self._drop
+        omit = tuple(frozenset(a for a, d in zip(OMITTABLE, row, strict=True) if d) for row in drop)
+        return caption_of(scene, omit)
 
     def style(self, index: int, variant: int = 0) -> Style | None:
         """How sample `index` is drawn (None for the fixed rendering); variant > 0: another draw for its caption."""
@@ -152,4 +172,4 @@ class SyntheticShapes:
             image = render_scene(scene, self.image_size)
         else:
             image = render_jittered(scene, sample_style(rng, scene, strength=self.strength), self.image_size)
-        return {"image": image, "caption": caption_of(scene), "description": scene}
+        return {"image": image, "caption": self._caption(index, scene), "description": scene}

@@ -104,12 +104,29 @@ def sample_scene(
     return Scene(colors[bg], tuple(objects))
 
 
-def caption_of(scene: Scene) -> str:
-    """The caption stating every attribute: objects as "x, y and z", then ", on a(n) <bg> background"."""
-    parts = [f"a {o.size} {o.color} {o.shape} {CELL_PHRASES[o.cell]}" for o in scene.objects]
+# The object words a training caption may leave out (`SyntheticShapes(caption_drop=...)`), in caption order.
+OMITTABLE: tuple[str, ...] = ("size", "color", "shape", "position")
+
+
+def caption_of(scene: Scene, omit: tuple[frozenset[str], ...] = ()) -> str:
+    """The caption stating every attribute: objects as "x, y and z", then ", on a(n) <bg> background".
+
+    `omit`: per object, the attributes (names from OMITTABLE) its phrase leaves out, e.g. "a small circle at the top
+    left" without its color; () states every attribute. Only training captions leave words out; evaluation
+    captions, and every caption `parse_caption` reads, state them all.
+    """
+    parts = [_phrase(o, omit[k] if omit else frozenset()) for k, o in enumerate(scene.objects)]
     body = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
     article = "an" if scene.background[0] in "aeiou" else "a"
     return f"{body}, on {article} {scene.background} background"
+
+
+def _phrase(o: SceneObject, omit: frozenset[str]) -> str:
+    unknown = set(omit) - set(OMITTABLE)
+    if unknown:
+        raise ValueError(f"cannot leave out {sorted(unknown)} of an object phrase; choose from {OMITTABLE}")
+    words = {"size": o.size, "color": o.color, "shape": o.shape, "position": CELL_PHRASES[o.cell]}
+    return " ".join(["a", *(words[a] for a in OMITTABLE if a not in omit)])
 
 
 _BACKGROUND_RE = re.compile(r", on an? (?P<color>\w+) background$")
