@@ -67,6 +67,7 @@ def get_config() -> ml_collections.ConfigDict:
     t.depth = 2  # built-in text encoder blocks (0: the word and position embeddings alone, each word apart)
     t.heads = 4
     t.emb_dim = 384  # width of precomputed embeddings (text.encoder=precomputed)
+    t.pooled = True  # the caption's mean feature also joins the time embedding (False: through attention alone)
     # The frozen encoder that made the precomputed embeddings (minilm | t5 | t5gemma | qwen), so that sampling can
     # encode new prompts the same way; filled from the shards' manifest when empty.
     t.frozen_encoder = ""

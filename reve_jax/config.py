@@ -250,6 +250,7 @@ ADDED_KEYS = {
     "data.heldout_frac": 0.0,  # runs before the split trained on every composition
     "data.heldout_seed": 0,
     "data.caption_drop": 0.0,  # every caption stated every attribute
+    "text.pooled": True,  # the pooled caption joined the time embedding
     "optim.decay_frac": 0.2,
     "data.stages": (),
     "ema.warmup_power": -1.0,  # a fixed EMA decay from the first step

@@ -97,6 +97,22 @@ def test_text_padding_and_dropped_captions_do_not_leak():
     assert float(jnp.abs(a - out).max()) > 1e-4  # and conditioning matters
 
 
+def test_without_the_pooled_caption_the_text_enters_through_attention_alone():
+    """text.pooled=False: no pooled vector joins the time embedding, so with the text tokens' projection zeroed the
+    caption no longer changes the output; with the pooled path (the default) it still does."""
+    for pooled in (True, False):
+        cfg = tiny_config(f"text.pooled={pooled}")
+        graphdef, params = _perturbed(build_model(cfg))
+        assert ("pool_proj" in params["text"]) == pooled and ("null_pooled" in params["text"]) == pooled
+        params["text"]["proj"] = jax.tree.map(jnp.zeros_like, params["text"]["proj"])
+        z, t, text = _inputs(cfg)
+        other = dict(text, tokens=jnp.where(text["text_mask"], (text["tokens"] * 3) % 30, 0))
+        a, _ = _apply(graphdef, params, z, t, text)
+        b, _ = _apply(graphdef, params, z, t, other)
+        changed = float(jnp.abs(a - b).max())
+        assert changed > 1e-4 if pooled else changed == 0.0, (pooled, changed)
+
+
 def test_precomputed_text_embeddings():
     cfg = tiny_config("text.encoder='precomputed'", "text.emb_dim=24")
     model = build_model(cfg)

@@ -231,7 +231,7 @@ class DiT(nnx.Module):
         x = self.patch_embed(z)
         n = x.shape[1]
         txt, lengths, pooled = self.text(text, drop, feats)
-        c = self.time_embed(t) + pooled
+        c = self.time_embed(t) if pooled is None else self.time_embed(t) + pooled
         if extra is not None:
             # Plan tokens ride with the text: never routed, always attended, with their own 2D positions.
             txt = jnp.concatenate([extra[0].astype(txt.dtype), txt], axis=1)

@@ -62,7 +62,9 @@ class BuiltinTextEncoder(nnx.Module):
 @dataclasses.dataclass(frozen=True)
 class TextArgs:
     """The caption input: `encoder` "builtin" (tokens through the built-in encoder of width/depth/heads over a
-    vocabulary of vocab_size, max_len tokens) or "precomputed" (embeddings of width emb_dim)."""
+    vocabulary of vocab_size, max_len tokens) or "precomputed" (embeddings of width emb_dim). `pooled`: the mean
+    of the caption's features also joins the time embedding that modulates every block; False: the caption reaches
+    the image tokens through attention alone."""
 
     encoder: str = "builtin"
     vocab_size: int = 256
@@ -71,10 +73,12 @@ class TextArgs:
     depth: int = 2
     heads: int = 4
     emb_dim: int = 384
+    pooled: bool = True
 
 
 class TextConditioner(nnx.Module):
-    """Caption -> (text tokens [B, L, width], valid lengths [B], pooled vector [B, width]).
+    """Caption -> (text tokens [B, L, width], valid lengths [B], pooled vector [B, width] or None when
+    `args.pooled` is off).
 
     Text padding must be at the end of each caption (the mask is a prefix), so the DiT can pass key lengths to
     attention instead of a dense mask (cuDNN's fast path takes lengths).
@@ -91,10 +95,13 @@ class TextConditioner(nnx.Module):
         in_dim = args.width if builtin else args.emb_dim
         self.in_norm = RMSNorm(in_dim, eps=eps, param_dtype=param_dtype, axis_name=None)
         self.proj = dense(in_dim, width, ("text_embed", "embed"), **kw)
-        self.pool_proj = dense(in_dim, width, ("text_embed", "embed"), **kw)
         init = nnx.initializers.normal(0.02)
         self.null_token = nnx.Param(init(rngs.params(), (width,), param_dtype))
-        self.null_pooled = nnx.Param(init(rngs.params(), (width,), param_dtype))
+        if args.pooled:
+            self.pool_proj = dense(in_dim, width, ("text_embed", "embed"), **kw)
+            self.null_pooled = nnx.Param(init(rngs.params(), (width,), param_dtype))
+        else:
+            self.pool_proj = self.null_pooled = None
 
     def features(self, text: dict) -> jax.Array:
         """Caption features [B, L, D] before projection: the built-in encoder's output or the precomputed ones."""
@@ -104,13 +111,13 @@ class TextConditioner(nnx.Module):
 
     def __call__(
         self, text: dict, drop: jax.Array | None, feats: jax.Array | None = None
-    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
         """`feats` (from another conditioner's `features`) skips encoding: the DDT towers share one encoder."""
         mask = text["text_mask"]
         feats = self.features(text) if feats is None else feats
         feats = self.in_norm(feats.astype(self.proj.dtype))
         m = mask[..., None].astype(feats.dtype)
-        pooled = self.pool_proj((feats * m).sum(1) / jnp.maximum(m.sum(1), 1.0))
+        pooled = None if self.pool_proj is None else self.pool_proj((feats * m).sum(1) / jnp.maximum(m.sum(1), 1.0))
         tokens = self.proj(feats)
         lengths = mask.sum(-1).astype(jnp.int32)
         if drop is not None:
@@ -118,7 +125,8 @@ class TextConditioner(nnx.Module):
             null_seq = jnp.zeros_like(tokens).at[:, 0].set(self.null_token[...].astype(tokens.dtype))
             tokens = jnp.where(drop[:, None, None], null_seq, tokens)
             lengths = jnp.where(drop, 1, lengths)
-            pooled = jnp.where(drop[:, None], self.null_pooled[...].astype(pooled.dtype), pooled)
+            if pooled is not None:
+                pooled = jnp.where(drop[:, None], self.null_pooled[...].astype(pooled.dtype), pooled)
         # An empty caption still exposes one (zero) token so attention never sees an all-masked row.
         lengths = jnp.maximum(lengths, 1)
         return tokens, lengths, pooled

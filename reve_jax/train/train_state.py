@@ -41,6 +41,7 @@ def model_args(cfg) -> ModelArgs:
             depth=t.depth,
             heads=t.heads,
             emb_dim=t.emb_dim,
+            pooled=t.pooled,
         ),
         ddt=DDTArgs(**{f.name: m.ddt[f.name] for f in dataclasses.fields(DDTArgs)}),
     )
