@@ -1,9 +1,10 @@
-"""The chaos soak's short form (scripts/chaos.py; docs/elastic.md has the full soak): the real trainer on 3
-namespace hosts, one SIGKILL, one partition and one SIGTERM-and-restart of the supervisor, each as soon as the
-group trains again; then the soak's own checks: the run finished at its last step, every data position was
-trained exactly once along the surviving steps, every step's loss is within 2% of an uninterrupted run's, and
-nothing (process, namespace, mount, snapshot file, pid file, temporary checkpoint) is left behind. Skipped where
-no namespace bed can be made (not root, no iproute2 or sshd)."""
+"""The chaos soak's short form (scripts/chaos.py; docs/elastic.md has the full soak): the real trainer on 2 namespace
+hosts, one SIGKILL, one partition and one SIGTERM-and-restart of the supervisor, each as soon as the group trains
+again on both hosts (a kill or a partition leaves a group of one that trains on; the next fault waits for the failed
+host's re-admission); then the soak's own checks: the run finished at its last step, every data position was trained
+exactly once along the surviving steps, every step's loss is within 2% of an uninterrupted run's, and nothing
+(process, namespace, mount, snapshot file, pid file, temporary checkpoint) is left behind. Skipped where no
+namespace bed can be made (not root, no iproute2 or sshd)."""
 
 import json
 import os
@@ -21,8 +22,9 @@ pytestmark = pytest.mark.skipif(bool(NetnsBed.unavailable()), reason=NetnsBed.un
 def test_short_chaos_soak_kill_partition_and_supervisor_restart(tmp_path):
     report = tmp_path / "report.json"
     argv = [
-        sys.executable, os.path.join(ROOT, "scripts", "chaos.py"), "--kinds", "kill,partition,supervisor",
-        "--faults-per-kind", "1", "--steps", "24", "--ckpt-every", "5", "--no-settle", "--timeout", "180",
+        sys.executable, os.path.join(ROOT, "scripts", "chaos.py"), "--hosts", "2",
+        "--kinds", "kill,partition,supervisor", "--faults-per-kind", "1", "--steps", "24", "--ckpt-every", "5",
+        "--no-settle", "--timeout", "180",
         "--dir", str(tmp_path / "soak"), "--report", str(report),
     ]  # fmt: skip
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)

@@ -141,6 +141,9 @@ def fake_w(steps: int) -> float:
 
 
 FAST = ["--group-sizes", "any", "--heartbeat-timeout", "3", "--probe-interval", "1", "--startup-timeout", "60"]
+# The fake worker's pause per step: the tests time the supervisor (detection, relaunch, re-admission), not the
+# steps, which only need to keep the group busy between faults.
+FAKE_STEP = "--worker-arg=--fake.step_time=0.05"
 
 
 def fake_args(steps: int, ckpt_every: int, *extra: str) -> list[str]:
@@ -148,7 +151,7 @@ def fake_args(steps: int, ckpt_every: int, *extra: str) -> list[str]:
         *FAST,
         f"--config.train.steps={steps}",
         f"--config.train.ckpt_every={ckpt_every}",
-        "--worker-arg=--fake.step_time=0.1",
+        FAKE_STEP,
         *extra,
     ]
 
@@ -197,7 +200,7 @@ def test_stopped_and_hung_workers_are_replaced(tmp_path, launched):
         wd,
         4,
         fake_args(
-            80,
+            40,
             5,
             "--marker-dir",
             str(tmp_path / "broken"),
@@ -220,7 +223,7 @@ def test_stopped_and_hung_workers_are_replaced(tmp_path, launched):
     print("recoveries:", recs)
     assert len(recs) == 2 and all(r["total_s"] < 60 for r in recs)
     with open(os.path.join(wd, "fake_ckpt.json")) as f:
-        assert json.load(f)["step"] == 80
+        assert json.load(f)["step"] == 40
 
 
 @pytest.mark.slow
@@ -327,8 +330,8 @@ def _final_params(workdirs: list[str]) -> list[tuple[int, list]]:
 
 
 def _train_reference(workdir: str) -> None:
-    """One uninterrupted process with 8 devices: the same global batch and data order as 4 x 2."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(8))
+    """One uninterrupted process with 6 devices: the same global batch and data order as 3 x 2."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(6))
     env.pop("REVE_NUM_PROCESSES", None)
     with open(os.path.join(os.path.dirname(workdir), "reference.log"), "wb") as log:
         code = subprocess.run(
@@ -363,16 +366,18 @@ def _matches_reference(wd: str, ref: str) -> None:
 
 
 @pytest.mark.slow
-def test_real_trainer_kill_one_of_four_matches_uninterrupted_run(tmp_path, launched, reference):
+def test_real_trainer_kill_one_of_three_matches_uninterrupted_run(tmp_path, launched, reference):
+    """local1 of 3 hosts is killed after step 4: local0 and local2 (now process 1) restore the last checkpoint and
+    finish with every loss and the final parameters of the uninterrupted run."""
     ref = reference
     wd = str(tmp_path / "elastic")
-    # The kill comes before a compile ahead could finish, and the warm standbys (4 more processes importing JAX,
-    # then 3 for the new group) would only slow this test on 2 cores: test_elastic_netns times both.
+    # The kill comes before a compile ahead could finish, and the warm standbys (3 more processes importing JAX,
+    # then 2 for the new group) would only slow this test on 2 cores: test_elastic_netns times both.
     args = ["--heartbeat-timeout", "5", "--no-readmit", "--no-precompile", "--no-standby", *TINY]
-    run = launched(wd, 4, args, script=TRAIN)
+    run = launched(wd, 3, args, script=TRAIN)
     wait_until(lambda: last_metric_step(wd) >= 4, 240, "step 4 of the trainer")
     t_kill = time.time()
-    os.kill(worker_pid(wd, "local2"), signal.SIGKILL)
+    os.kill(worker_pid(wd, "local1"), signal.SIGKILL)
     assert run.wait(300) == 0, run.output()
     (fail,) = events(wd, "failure")
     (rec,) = events(wd, "recovery")
@@ -380,16 +385,16 @@ def test_real_trainer_kill_one_of_four_matches_uninterrupted_run(tmp_path, launc
         f"real trainer: kill -> detected {fail['time'] - t_kill:.2f} s, first step again "
         f"{rec['time'] - t_kill:.2f} s; {rec}"
     )
-    assert fail["hosts"] == ["local2"] and fail["time"] - t_kill < 10
-    assert rec["group_size"] == 3 and rec["restored_step"] % 3 == 0 and rec["lost_steps"] >= 1
-    assert events(wd, "launch")[-1]["hosts"] == ["local0", "local1", "local3"]
+    assert fail["hosts"] == ["local1"] and fail["time"] - t_kill < 10
+    assert rec["group_size"] == 2 and rec["restored_step"] % 3 == 0 and rec["lost_steps"] >= 1
+    assert events(wd, "launch")[-1]["hosts"] == ["local0", "local2"]
     _matches_reference(wd, ref)
 
 
 @pytest.mark.slow
 def test_real_trainer_resumes_from_peer_snapshots_after_a_kill(tmp_path, launched, reference):
-    """Snapshots every step, no disk checkpoint before the end: local2 is killed after step 4 and the three
-    survivors rebuild a step from memory, local2's pieces from the copy its successor holds."""
+    """Snapshots every step, no disk checkpoint before the end: local1 of 3 hosts is killed after step 4 and the
+    two survivors rebuild a step from memory, local1's pieces from the copy its successor (local2) holds."""
     wd = str(tmp_path / "elastic")
     shm = tmp_path / "shm"  # stands in for /dev/shm, so that the test leaves nothing there
     args = [
@@ -397,20 +402,20 @@ def test_real_trainer_resumes_from_peer_snapshots_after_a_kill(tmp_path, launche
         "--config.train.ckpt_every=100",
         "--config.elastic.snapshot_every=1", f"--config.elastic.snapshot_dir={shm}",
     ]  # fmt: skip
-    run = launched(wd, 4, args, script=TRAIN)
+    run = launched(wd, 3, args, script=TRAIN)
     wait_until(lambda: last_metric_step(wd) >= 4, 240, "step 4 of the trainer")
-    os.kill(worker_pid(wd, "local2"), signal.SIGKILL)
+    os.kill(worker_pid(wd, "local1"), signal.SIGKILL)
     assert run.wait(300) == 0, run.output()
     (fail,) = events(wd, "failure")
     (rec,) = events(wd, "recovery")
     print(f"snapshot restore: {rec}")
-    assert fail["hosts"] == ["local2"] and rec["group_size"] == 3
+    assert fail["hosts"] == ["local1"] and rec["group_size"] == 2
     # The snapshot of the step before the kill may still be on its way to the successor: at most 2 steps lost.
     assert rec["restored_step"] >= 1 and rec["lost_steps"] == rec["last_step"] - rec["restored_step"] <= 2
     with open(os.path.join(wd, "logs", f"attempt{rec['attempt']}_local0.log")) as f:
         log = f.read()
-    assert f"restored step {rec['restored_step']} from in-memory snapshots of group 0 (4 processes)" in log
+    assert f"restored step {rec['restored_step']} from in-memory snapshots of group 0 (3 processes)" in log
     assert sorted(os.listdir(os.path.join(wd, "checkpoints"))) == ["10"]  # the final one: none was restored
     _matches_reference(wd, ref=reference)
     # The hosts of the group that finished remove their snapshots (the lost host's memory is not theirs to free).
-    assert not [p for host in ("local0", "local1", "local3") for p in shm.glob(f"*/{host}/a*")]
+    assert not [p for host in ("local0", "local2") for p in shm.glob(f"*/{host}/a*")]

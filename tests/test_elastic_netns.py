@@ -13,7 +13,7 @@ import sys
 import time
 
 import pytest
-from test_elastic_e2e import FAKE, FAST, events, fake_w, last_metric_step, metrics_by_step, wait_until
+from test_elastic_e2e import FAKE, FAKE_STEP, FAST, events, fake_w, last_metric_step, metrics_by_step, wait_until
 from util import xla_flags
 
 from reve_jax.elastic.testbed import NetnsBed
@@ -36,7 +36,7 @@ def read(path: str) -> str:
 def ssh_args(bed: NetnsBed, *extra: str) -> list[str]:
     return [
         "--remote-dir", ROOT, "--python", sys.executable, *[f"--ssh-arg={a}" for a in bed.ssh[1:]],
-        "--devices-per-host", "2", *FAST, "--worker-arg=--fake.step_time=0.1", *extra,
+        "--devices-per-host", "2", *FAST, FAKE_STEP, *extra,
     ]  # fmt: skip
 
 
@@ -169,7 +169,7 @@ def test_slurm_job_loses_a_node_and_continues(tmp_path, slurm):
     n0, n1, n2 = bed.namespaces
     args = [
         "--workdir", wd, "--script", FAKE, "--devices-per-host", "2", "--no-readmit", *FAST,
-        "--worker-arg=--fake.step_time=0.1", "--config.train.steps=60", "--config.train.ckpt_every=5",
+        FAKE_STEP, "--config.train.steps=60", "--config.train.ckpt_every=5",
     ]  # fmt: skip
     output = str(tmp_path / "job.out")
     script = os.path.join(ROOT, "scripts", "slurm", "train.sbatch")
@@ -218,6 +218,8 @@ def test_real_trainer_recovers_from_a_kill_on_warm_standbys_and_compiled_ahead(t
         args = [
             "--remote-dir", ROOT, "--python", sys.executable, *[f"--ssh-arg={a}" for a in bed.ssh[1:]],
             "--devices-per-host", "2", "--heartbeat-timeout", "3", "--no-readmit", *overrides,
+            # No group of 1 host: its compile-ahead job would only load the 2 cores while the run is stopped.
+            "--min-hosts", "2",
         ]  # fmt: skip
         run = launched(wd, ",".join(bed.hosts), args, script=TRAIN)
         wait_until(lambda: events(wd, "precompile") and events(wd, "standby_ready"), 240, "compile-ahead, standbys")
