@@ -166,17 +166,15 @@ def compare_losses(got: dict[int, dict], want: dict[int, dict], rtol: float) -> 
 def leftovers(needles: list[str], namespaces: list[str], shm_dirs: list[Path], pid_files: set[str]) -> list[str]:
     """What the run left behind: processes whose command line holds one of `needles` (the run directory, the bed
     directory), namespaces of the bed, mounts under `needles`, files under `shm_dirs` (the run's snapshot
-    directories), pid files in ~/.cache/reve_jax/pids other than `pid_files` (those there before the run), and
-    temporary checkpoint directories of Orbax under the run directory."""
+    directories), pid files in ~/.cache/reve_jax/pids other than `pid_files` (those there before the run) unless
+    the process they name is alive and another run's (the directory is per user, shared by every run of the
+    machine: another test or soak running beside this one has its live workers' files there), and temporary
+    checkpoint directories of Orbax under the run directory."""
     found = []
     me = os.getpid()
     for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if int(pid) != me and any(n in cmdline for n in needles):
+        cmdline = _cmdline(int(pid))
+        if cmdline is not None and int(pid) != me and any(n in cmdline for n in needles):
             found.append(f"process {pid}: {cmdline[:160]}")
     with open("/proc/mounts") as f:
         found += [f"mount {line.split()[1]}" for line in f if any(line.split()[1].startswith(n) for n in needles)]
@@ -188,9 +186,27 @@ def leftovers(needles: list[str], namespaces: list[str], shm_dirs: list[Path], p
             found += [f"snapshot file {p}" for p in d.rglob("*") if p.is_file()] or [f"snapshot directory {d}"]
     pids = Path.home() / ".cache" / "reve_jax" / "pids"
     if pids.is_dir():
-        found += [f"pid file {p}" for p in pids.iterdir() if p.name not in pid_files]
+        for p in sorted(pids.iterdir()):
+            if p.name in pid_files:
+                continue
+            try:
+                owner = _cmdline(int(p.read_text().strip()))
+            except (OSError, ValueError):
+                owner = None  # gone, or not a pid: a file nobody will remove
+            if owner is None or any(n in owner for n in needles):
+                found.append(f"pid file {p}")
     for n in needles:
         ckpt = Path(n) / "checkpoints"
         if ckpt.is_dir():
             found += [f"temporary checkpoint {p}" for p in ckpt.iterdir() if "tmp" in p.name]
     return found
+
+
+def _cmdline(pid: int) -> str | None:
+    """The command line of live process `pid` (arguments joined by spaces), or None when there is none."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    return raw.replace(b"\0", b" ").decode(errors="replace") if raw else None
