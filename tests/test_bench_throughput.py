@@ -49,7 +49,8 @@ def test_benchmark_runs_two_steps_and_prints_the_table(capsys, tmp_path):
     cells, row = table[0], rows[0]
     assert (cells["model"], cells["impl"], cells["batch"], cells["tread"]) == ("tiny", "reve_jax test", "8", "off")
     assert float(cells["img/s"].replace(",", "")) > 0 and float(cells["step ms"]) > 0
-    assert 0 < float(cells["MFU"].rstrip("%")) < 100
+    # The cell has one decimal: a tiny model on loaded cores can print 0.0%; the row holds the value itself.
+    assert 0 < row["mfu"] < 1 and float(cells["MFU"].rstrip("%")) == round(100 * row["mfu"], 1)
     assert float(cells["compile s"]) > 0
     assert cells["data wait"].endswith("%") and 0 <= float(cells["data wait"].rstrip("%")) <= 100
     assert float(cells["ckpt block s"]) >= 0
