@@ -95,13 +95,11 @@ class TextConditioner(nnx.Module):
         in_dim = args.width if builtin else args.emb_dim
         self.in_norm = RMSNorm(in_dim, eps=eps, param_dtype=param_dtype, axis_name=None)
         self.proj = dense(in_dim, width, ("text_embed", "embed"), **kw)
+        # Created in this order whatever `pooled` is, so that a default model draws the weights it always drew.
+        self.pool_proj = dense(in_dim, width, ("text_embed", "embed"), **kw) if args.pooled else None
         init = nnx.initializers.normal(0.02)
         self.null_token = nnx.Param(init(rngs.params(), (width,), param_dtype))
-        if args.pooled:
-            self.pool_proj = dense(in_dim, width, ("text_embed", "embed"), **kw)
-            self.null_pooled = nnx.Param(init(rngs.params(), (width,), param_dtype))
-        else:
-            self.pool_proj = self.null_pooled = None
+        self.null_pooled = nnx.Param(init(rngs.params(), (width,), param_dtype)) if args.pooled else None
 
     def features(self, text: dict) -> jax.Array:
         """Caption features [B, L, D] before projection: the built-in encoder's output or the precomputed ones."""
