@@ -218,8 +218,6 @@ def test_real_trainer_recovers_from_a_kill_on_warm_standbys_and_compiled_ahead(t
         args = [
             "--remote-dir", ROOT, "--python", sys.executable, *[f"--ssh-arg={a}" for a in bed.ssh[1:]],
             "--devices-per-host", "2", "--heartbeat-timeout", "3", "--no-readmit", *overrides,
-            # No group of 1 host: its compile-ahead job would only load the 2 cores while the run is stopped.
-            "--min-hosts", "2",
         ]  # fmt: skip
         run = launched(wd, ",".join(bed.hosts), args, script=TRAIN)
         wait_until(lambda: events(wd, "precompile") and events(wd, "standby_ready"), 240, "compile-ahead, standbys")
