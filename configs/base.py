@@ -44,6 +44,9 @@ def get_config() -> ml_collections.ConfigDict:
     m.attention = "auto"  # auto (cudnn on GPU, xla elsewhere) | xla | cudnn
     m.remat = "none"  # none | block (recompute each block in the backward pass) | dots (keep matmul outputs only)
     m.scan_layers = False  # blocks stored stacked (leading `layers` axis) and run under lax.scan: compile time flat
+    # joint: the blocks update the caption tokens beside the image tokens (MMDiT) | fixed: every block attends to the
+    # caption tokens as they enter the tower (cross-attention in effect; the words never mix with each other)
+    m.text_stream = "joint"
     # TREAD token routing (training only): a random keep_ratio of image tokens go through blocks [start, end).
     m.route = ml_collections.ConfigDict()
     m.route.enabled = False

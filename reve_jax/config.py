@@ -251,6 +251,7 @@ ADDED_KEYS = {
     "data.heldout_seed": 0,
     "data.caption_drop": 0.0,  # every caption stated every attribute
     "text.pooled": True,  # the pooled caption joined the time embedding
+    "model.text_stream": "joint",  # the blocks updated the caption tokens
     "optim.decay_frac": 0.2,
     "data.stages": (),
     "ema.warmup_power": -1.0,  # a fixed EMA decay from the first step

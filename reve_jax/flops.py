@@ -2,7 +2,7 @@
 the device peak that MFU divides by.
 
 Routed blocks (TREAD) are counted at the token count they actually run on. Text tokens ride along in every
-block's attention and MLP, so they are counted too.
+block's attention and MLP, so they are counted too; with `model.text_stream` fixed they are keys and values only.
 """
 
 from __future__ import annotations
@@ -17,10 +17,12 @@ from reve_jax.model.layers import swiglu_hidden  # noqa: F401 (re-exported)
 from reve_jax.model.routing import keep_count, route_span
 
 
-def block_flops(tokens: int, width: int, mlp_hidden: int) -> float:
-    """Forward FLOPs of one transformer block over `tokens` tokens: q,k,v,out projections, QK^T and AV, SwiGLU."""
-    proj = 2 * tokens * 4 * width * width
-    attn = 2 * 2 * tokens * tokens * width
+def block_flops(tokens: int, width: int, mlp_hidden: int, keys: int | None = None) -> float:
+    """Forward FLOPs of one transformer block updating `tokens` tokens that attend to `keys` tokens (default: the
+    same ones): q,out projections and SwiGLU on the updated tokens, k,v projections on the keys, QK^T and AV."""
+    keys = tokens if keys is None else keys
+    proj = 2 * tokens * 2 * width * width + 2 * keys * 2 * width * width
+    attn = 2 * 2 * tokens * keys * width
     mlp = 2 * tokens * 3 * width * mlp_hidden
     return proj + attn + mlp
 
@@ -31,8 +33,9 @@ def _pixels(cfg, hw) -> tuple[int, int]:
 
 
 def tower_flops(cfg, width, depth, patch, bottleneck, out_patch, context, routed, hw=None) -> float:
-    """Forward FLOPs per image of one DiT tower: `context` extra tokens (text, DDT plan) ride in every block.
-    `hw` is the image (H, W), default data.image_size squared."""
+    """Forward FLOPs per image of one DiT tower: `context` extra tokens (text, DDT plan) ride in every block (as
+    keys and values only under `model.text_stream` fixed). `hw` is the image (H, W), default data.image_size
+    squared."""
     m = cfg.model
     h, w = _pixels(cfg, hw)
     n = (h // patch) * (w // patch)
@@ -42,7 +45,8 @@ def tower_flops(cfg, width, depth, patch, bottleneck, out_patch, context, routed
     total = 0.0
     for i in range(depth):
         img = kept if start <= i < end else n
-        total += block_flops(img + context, width, hidden)
+        updated = img if m.text_stream == "fixed" else img + context
+        total += block_flops(updated, width, hidden, keys=img + context)
         total += 2 * width * 6 * width  # adaLN modulation, once per image
     channels = model_shape(cfg, hw)[2]
     pdim = patch * patch * channels

@@ -534,13 +534,15 @@ def test_train_script_refuses_twice_when_every_checkpoint_is_corrupt_and_fresh_s
 @pytest.mark.slow
 def test_train_script_disk_full_stops_with_one_line(small_disk):
     workdir = small_disk / "run"
-    big = ["--config.model.width=96", "--config.model.depth=4", "--config.train.ckpt_every=2"]
-    first = _train(workdir, *big, "--config.train.steps=2")
+    first = _train(workdir, "--config.train.steps=2")  # the test model: its checkpoint is about 0.8 MB
     assert first.returncode == 0, first.stderr[-3000:]
+    room = 2**18  # for logs and metrics, not for another checkpoint
+    size = sum(p.stat().st_size for p in (workdir / "checkpoints" / "2").rglob("*") if p.is_file())
+    assert size > 2 * room, size
     free = shutil.disk_usage(workdir).free
     with open(small_disk / "filler", "wb") as f:
-        f.write(b"x" * (free - 2**20))  # room for logs and metrics, not for another checkpoint
-    full = _train(workdir, *big, "--config.train.steps=4", "--config.train.ckpt_async=True")
+        f.write(b"x" * (free - room))
+    full = _train(workdir, "--config.train.steps=4", "--config.train.ckpt_async=True")
     assert full.returncode != 0, full.stderr[-3000:]
     for noise in ("Traceback", "never retrieved", "Event loop is closed", "Exception ignored"):
         assert noise not in full.stderr, full.stderr[-5000:]

@@ -224,4 +224,5 @@ def test_a_saved_config_that_predates_a_key_reads_back_as_it_trained():
         trainer.check_compatible(base, text)  # ...and resuming the old run under it says so
     with base.unlocked():
         base.model.pos_embed = "none"
+        base.model.text_stream = "joint"  # configs/tiny.py's other model key that differs from its legacy value
     trainer.check_compatible(base, text)  # the same model: the missing keys are not a difference

@@ -42,32 +42,28 @@ def test_evaluate_scores_a_trained_run(tmp_path):
     assert result["feature_net"]["test_accuracy"]["shape"] >= 0.95  # the checked-in net's held-out shape: 0.971
     png = Image.open(workdir / "evaluation" / "step_2.png")
     assert png.size[0] > 4 * 128 and png.size[1] > 4 * 128  # a 4 x 4 grid of 16 images, 128 px cells at least
-    # An explicit step and output directory.
+    # An explicit step and output directory, with --regions: the KID with each region's real pixels given back
+    # (tests/test_eval_regions.py checks what it finds).
+    elsewhere = str(tmp_path / "elsewhere")
     load_script("evaluate").main(["--workdir", str(workdir), "--step", "2", "--n", "8", "--boot", "0",
-                                  "--out", str(tmp_path / "elsewhere"), "--splits", "unseen"])  # fmt: skip
+                                  "--out", elsewhere, "--regions", "--splits", "unseen"])  # fmt: skip
     again = json.loads((tmp_path / "elsewhere" / "step_2.json").read_text())
     assert again["n"] == 8 and "align_overall_lo" not in again["splits"]["unseen"]["metrics"]
-    # Another sampler and step count: the config in the JSON says how the images were drawn, the names say so too.
-    elsewhere = str(tmp_path / "elsewhere")
+    table = again["regions"]
+    assert table["generated"]["kid"] == pytest.approx(again["splits"]["unseen"]["metrics"]["kid"])  # the same 8 images
+    assert sum(table[r]["frac"] for r in regions.REGIONS) == pytest.approx(1.0)
+    # Another sampler, step count and clamp: the config in the JSON says how the images were drawn, the name too.
     sampler = {"euler": "heun", "heun": "euler"}[again["config"]["sample"]["sampler"]]
     load_script("evaluate").main(["--workdir", str(workdir), "--n", "8", "--boot", "0", "--out", elsewhere,
-                                  "--sampler", sampler, "--steps", "3", "--splits", "unseen"])  # fmt: skip
-    other = json.loads((tmp_path / "elsewhere" / f"step_2_sampler{sampler}_steps3.json").read_text())
+                                  "--sampler", sampler, "--steps", "3", "--t-eps", "-1",
+                                  "--splits", "unseen"])  # fmt: skip
+    other = json.loads((tmp_path / "elsewhere" / f"step_2_sampler{sampler}_steps3_t_eps-1.0.json").read_text())
     assert (other["config"]["sample"]["sampler"], other["config"]["sample"]["steps"]) == (sampler, 3)
+    assert again["config"]["sample"]["t_eps"] == 0.0 and other["config"]["sample"]["t_eps"] == -1.0
     assert (
         again["config"]["sample"]["steps"] != 3
         and other["splits"]["unseen"]["metrics"]["kid"] != again["splits"]["unseen"]["metrics"]["kid"]
     )
-    load_script("evaluate").main(["--workdir", str(workdir), "--n", "8", "--boot", "0", "--out", elsewhere,
-                                  "--t-eps", "-1", "--splits", "unseen"])  # fmt: skip
-    clamped = json.loads((tmp_path / "elsewhere" / "step_2_t_eps-1.0.json").read_text())
-    assert again["config"]["sample"]["t_eps"] == 0.0 and clamped["config"]["sample"]["t_eps"] == -1.0
-    # --regions: the KID with each region's real pixels given back (tests/test_eval_regions.py checks what it finds)
-    load_script("evaluate").main(["--workdir", str(workdir), "--n", "8", "--boot", "0", "--out", elsewhere,
-                                  "--regions", "--splits", "unseen"])  # fmt: skip
-    table = json.loads((tmp_path / "elsewhere" / "step_2.json").read_text())["regions"]
-    assert table["generated"]["kid"] == pytest.approx(again["splits"]["unseen"]["metrics"]["kid"])  # the same 8 images
-    assert sum(table[r]["frac"] for r in regions.REGIONS) == pytest.approx(1.0)
 
 
 def test_summary_line_prints_intervals_only_where_bootstrapped():

@@ -113,6 +113,47 @@ def test_without_the_pooled_caption_the_text_enters_through_attention_alone():
         assert changed > 1e-4 if pooled else changed == 0.0, (pooled, changed)
 
 
+def test_a_fixed_text_stream_gives_every_block_the_caption_tokens_as_they_entered(monkeypatch):
+    """model.text_stream=fixed: every block sees the same caption tokens (those the text conditioner made), so the
+    words never mix; with joint (the default) the blocks update them, and the two models differ on the same
+    weights."""
+    seen = []
+    block_call = dit.DiTBlock.__call__
+
+    def recording(self, x, c, angles, lengths, **kw):
+        seen.append(np.asarray(x[:, -cfg.text.max_len :]))
+        return block_call(self, x, c, angles, lengths, **kw)
+
+    monkeypatch.setattr(dit.DiTBlock, "__call__", recording)
+    outs = {}
+    for stream in ("joint", "fixed"):
+        cfg = tiny_config("model.depth=3", f"model.text_stream='{stream}'")
+        graphdef, params = _perturbed(build_model(cfg))
+        z, t, text = _inputs(cfg)
+        seen.clear()
+        outs[stream], _ = nnx.merge(graphdef, params)(z, t, text)  # eager: the recording sees concrete values
+        assert len(seen) == 3
+        moved = max(float(np.abs(s - seen[0]).max()) for s in seen[1:])
+        assert moved == 0.0 if stream == "fixed" else moved > 1e-3, (stream, moved)
+    assert float(jnp.abs(outs["joint"] - outs["fixed"]).max()) > 1e-4
+    # A block that updates only the image tokens (queries and MLP on them alone) computes what the full block
+    # computes for them, with the caption rows passed through.
+    block = nnx.merge(graphdef, params).blocks[1]
+    rng = np.random.default_rng(3)
+    b, n, s, w = 4, 16, 16 + cfg.text.max_len, cfg.model.width
+    x = jnp.asarray(rng.standard_normal((b, s, w)), jnp.float32)
+    c = jnp.asarray(rng.standard_normal((b, w)), jnp.float32)
+    angles = jnp.asarray(rng.uniform(-3, 3, (b, s, w // cfg.model.heads // 2)), jnp.float32)
+    lengths = jnp.asarray(n + rng.integers(1, cfg.text.max_len, b), jnp.int32)
+    full = block_call(block, x, c, angles, lengths)
+    part = block_call(block, x, c, angles, lengths, n_update=n)
+    np.testing.assert_allclose(np.asarray(part[:, :n]), np.asarray(full[:, :n]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(part[:, n:]), np.asarray(x[:, n:]))
+    assert float(jnp.abs(full[:, n:] - x[:, n:]).max()) > 1e-3
+    with pytest.raises(ValueError, match="text_stream"):
+        build_model(tiny_config("model.text_stream='cross'"))
+
+
 def test_precomputed_text_embeddings():
     cfg = tiny_config("text.encoder='precomputed'", "text.emb_dim=24")
     model = build_model(cfg)

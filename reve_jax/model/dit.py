@@ -58,6 +58,8 @@ class ModelArgs:
     in_channels: channels of the input the model denoises (3 for pixels, an autoencoder's latent channels);
     patch / bottleneck: the patch side and the bottleneck embedding's rank (0: a plain linear embedding);
     attention: auto | xla | cudnn; remat: none | block | dots; scan_layers: blocks stacked under lax.scan;
+    text_stream: joint (the blocks update the caption tokens too, as MMDiT) | fixed (every block attends to the
+    caption tokens as they enter the tower, as cross-attention does: the words never mix with each other);
     repa_block: the block whose tokens the model returns for REPA (-1: none); ddt: the encoder tower (arch ddt).
     """
 
@@ -78,6 +80,7 @@ class ModelArgs:
     attention: str = "auto"
     remat: str = "none"
     scan_layers: bool = False
+    text_stream: str = "joint"
     repa_block: int = -1
     route: RouteArgs = RouteArgs()
     text: TextArgs = TextArgs()
@@ -97,8 +100,14 @@ def _remat(fn, remat: str):
     return fn
 
 
-def run_blocks(graphdef, states, seq, c, angles, lengths, *, remat: str = "none", stacked: bool = False):
+def run_blocks(
+    graphdef, states, seq, c, angles, lengths, *, remat: str = "none", stacked: bool = False, n_update: int = -1
+):
     """Applies blocks of structure `graphdef` in order to the joint sequence `seq`.
+
+    `n_update` >= 0: each block updates only the first `n_update` tokens; the rest (the caption tokens of
+    `model.text_stream` fixed) are keys and values in every block, as they entered the first, and cost no queries
+    or MLP.
 
     `states`: a list of per-block states (unrolled: XLA compiles every block separately), or with `stacked` one
     state whose leaves carry a leading block axis (`model.scan_layers`): one block body under `lax.scan`, so the
@@ -106,7 +115,7 @@ def run_blocks(graphdef, states, seq, c, angles, lengths, *, remat: str = "none"
     """
 
     def call(state, x):
-        return nnx.merge(graphdef, state)(x, c, angles, lengths)
+        return nnx.merge(graphdef, state)(x, c, angles, lengths, n_update=n_update)
 
     call = _remat(call, remat)
     if stacked:
@@ -129,13 +138,21 @@ class DiTBlock(nnx.Module):
         self.mlp = SwiGLU(width, mlp_hidden, **kw)
         self.adaln = dense(width, 6 * width, ("embed", "adaln"), init=nnx.initializers.zeros_init(), **kw)
 
-    def __call__(self, x: jax.Array, c: jax.Array, angles: jax.Array, lengths: jax.Array) -> jax.Array:
+    def __call__(
+        self, x: jax.Array, c: jax.Array, angles: jax.Array, lengths: jax.Array, n_update: int = -1
+    ) -> jax.Array:
+        """`n_update` >= 0: only the first n_update tokens are updated (they alone are queries and go through the
+        MLP); the rest serve as keys and values and come out as they came in."""
         mod = self.adaln(jax.nn.silu(c))[:, None, :]
         shift1, scale1, gate1, shift2, scale2, gate2 = jnp.split(mod, 6, axis=-1)
         h = self.norm1(x) * (1 + scale1) + shift1
-        x = x + gate1 * self.attn(h, angles, lengths)
+        rest, n_query = None, None
+        if 0 <= n_update < x.shape[1]:
+            x, rest, n_query = x[:, :n_update], x[:, n_update:], n_update
+        x = x + gate1 * self.attn(h, angles, lengths, n_query=n_query)
         h = self.norm2(x) * (1 + scale2) + shift2
-        return x + gate2 * self.mlp(h)
+        x = x + gate2 * self.mlp(h)
+        return x if rest is None else jnp.concatenate([x, rest], axis=1)
 
 
 class FinalLayer(nnx.Module):
@@ -182,6 +199,9 @@ class DiT(nnx.Module):
         self.pos_embed = m.pos_embed
         self.remat = m.remat
         self.scan_layers = m.scan_layers
+        if m.text_stream not in ("joint", "fixed"):
+            raise ValueError(f"model.text_stream must be joint or fixed, got {m.text_stream!r}")
+        self.text_stream = m.text_stream
         self.repa_block = m.repa_block if routing_allowed else -1
         self.route = m.route.enabled and routing_allowed
         self.route_keep_ratio = m.route.keep_ratio
@@ -275,7 +295,15 @@ class DiT(nnx.Module):
             else:
                 graphdef, states = nnx.graphdef(self.blocks[lo]), [nnx.state(self.blocks[i]) for i in range(lo, hi)]
             seq = run_blocks(
-                graphdef, states, seq, c, angles, lengths + n_img, remat=self.remat, stacked=self.scan_layers
+                graphdef,
+                states,
+                seq,
+                c,
+                angles,
+                lengths + n_img,
+                remat=self.remat,
+                stacked=self.scan_layers,
+                n_update=n_img if self.text_stream == "fixed" else -1,
             )
             x, txt = seq[:, :n_img], seq[:, n_img:]
             if hi - 1 == self.repa_block:

@@ -164,18 +164,28 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(self.head_dim, eps=eps, param_dtype=param_dtype, axis_name=None) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=eps, param_dtype=param_dtype, axis_name=None) if qk_norm else None
 
-    def __call__(self, x: jax.Array, angles: jax.Array | None, kv_lengths: jax.Array | None) -> jax.Array:
-        """x [B, S, W]; angles [B, S, D/2] or None; kv_lengths [B] valid keys (a prefix of the sequence)."""
+    def __call__(
+        self, x: jax.Array, angles: jax.Array | None, kv_lengths: jax.Array | None, n_query: int | None = None
+    ) -> jax.Array:
+        """x [B, S, W]; angles [B, S, D/2] or None; kv_lengths [B] valid keys (a prefix of the sequence).
+        `n_query`: only the first n_query tokens ask (output [B, n_query, W]); all S are keys and values."""
         b, s, _ = x.shape
-        qkv = stacked_projection(x, (self.q, self.k, self.v))  # [B, S, 3, W]
-        qkv = checkpoint_name(qkv.reshape(b, s, 3, self.heads, self.head_dim), "attn_qkv")
-        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        nq = s if n_query is None else n_query
+        if nq == s:
+            qkv = stacked_projection(x, (self.q, self.k, self.v))  # [B, S, 3, W]
+            qkv = checkpoint_name(qkv.reshape(b, s, 3, self.heads, self.head_dim), "attn_qkv")
+            q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        else:
+            q = checkpoint_name(self.q(x[:, :nq]).reshape(b, nq, self.heads, self.head_dim), "attn_q")
+            kv = stacked_projection(x, (self.k, self.v))  # [B, S, 2, W]
+            kv = checkpoint_name(kv.reshape(b, s, 2, self.heads, self.head_dim), "attn_kv")
+            k, v = kv[:, :, 0], kv[:, :, 1]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if angles is not None:
-            q, k = apply_rope(q, angles), apply_rope(k, angles)
+            q, k = apply_rope(q, angles[:, :nq]), apply_rope(k, angles)
         o = checkpoint_name(dot_product_attention(q, k, v, kv_lengths, self.impl), "attn_out")
-        return self.out(o.reshape(b, s, -1))
+        return self.out(o.reshape(b, nq, -1))
 
 
 def swiglu_hidden(width: int, mlp_ratio: float, multiple_of: int) -> int:
