@@ -9,6 +9,9 @@ COMMON_TRAIN = (
     "train.stop_on_nan=True",
     "train.ckpt_keep=1",
     "sample.sampler='euler'",
+    # The blocks update the caption tokens beside the image tokens, as every size was calibrated and swept (the
+    # default of configs/base.py; configs/tiny.py's fixed stream came after). Text handling is not a compared technique.
+    "model.text_stream='joint'",
 )
 
 
