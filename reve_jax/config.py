@@ -22,6 +22,7 @@ CHOICES = {
     "model.pos_embed": ("none", "sincos"),
     "model.attention": ("auto", "xla", "cudnn"),
     "model.remat": ("none", "block", "dots"),
+    "model.text_stream": ("joint", "fixed"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.param_dtype": ("float32", "bfloat16"),
     "text.encoder": ("builtin", "precomputed"),
