@@ -199,8 +199,6 @@ class DiT(nnx.Module):
         self.pos_embed = m.pos_embed
         self.remat = m.remat
         self.scan_layers = m.scan_layers
-        if m.text_stream not in ("joint", "fixed"):
-            raise ValueError(f"model.text_stream must be joint or fixed, got {m.text_stream!r}")
         self.text_stream = m.text_stream
         self.repa_block = m.repa_block if routing_allowed else -1
         self.route = m.route.enabled and routing_allowed
