@@ -94,6 +94,9 @@ def get_config() -> ml_collections.ConfigDict:
     # Training captions only: the chance that a caption leaves out each object's size, color, shape or position word
     # (each apart), so each word is also learned without the others; 0 states every attribute.
     d.caption_drop = 0.0
+    # Training images of the fixed rendering only: each object's center moves up to this many pixels (each axis) from
+    # its cell's center, so each shape is seen at every sub-patch position; 0 draws one image per caption.
+    d.shift = 0.0
     d.path = ""  # shards directory (data.name=shards)
     d.worker_threads = 2  # grain read threads per process (each builds whole batches)
     d.worker_processes = 0  # grain worker processes (0: none); for hosts where the GIL-bound decode starves the step

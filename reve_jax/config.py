@@ -251,6 +251,7 @@ ADDED_KEYS = {
     "data.heldout_frac": 0.0,  # runs before the split trained on every composition
     "data.heldout_seed": 0,
     "data.caption_drop": 0.0,  # every caption stated every attribute
+    "data.shift": 0.0,  # objects centered in their cells
     "text.pooled": True,  # the pooled caption joined the time embedding
     "model.text_stream": "joint",  # the blocks updated the caption tokens
     "optim.decay_frac": 0.2,

@@ -136,6 +136,49 @@ def test_caption_drop_leaves_words_out_of_training_captions_only():
         synthetic.caption_of(full.scene(0), (frozenset({"background"}),))
 
 
+def _object_centroid(img: np.ndarray, background: str) -> np.ndarray:
+    """(y, x) of the pixel-center mean weighted by how far each pixel is from the background color (pixel i spans
+    [i, i+1)): the object's centroid, read from the image alone."""
+    w = np.abs(img.astype(np.float64) - COLORS[background]).sum(-1)
+    ys, xs = np.mgrid[: img.shape[0], : img.shape[1]] + 0.5
+    return np.array([(w * ys).sum(), (w * xs).sum()]) / w.sum()
+
+
+def test_shift_moves_training_objects_within_their_cells_and_leaves_evaluation_centered():
+    """data.shift: in the train split each object moves up to `shift` pixels per axis from its cell's center (read
+    from the images: the centroid against the centered image's), uniformly; the scenes, captions and evaluation
+    images are the unshifted dataset's; the reader still reads every shifted image right."""
+    heldout = pipeline.heldout_compositions(_data_cfg())
+    kw = dict(max_objects=1, render="fixed", heldout=heldout)
+    full, sh = SyntheticShapes(32, 10_000, **kw), SyntheticShapes(32, 10_000, **kw, shift=1.5)
+    moves = []
+    for i in range(300):
+        a, b = full[i], sh[i]
+        assert a["caption"] == b["caption"] and a["description"] == b["description"]
+        np.testing.assert_array_equal(b["image"], sh.image(i))  # one image per index, as the pipeline reads it
+        bg = a["description"].background
+        moves.append(_object_centroid(b["image"], bg) - _object_centroid(a["image"], bg))
+    moves = np.array(moves)
+    assert np.abs(moves).max() <= 1.5 + 0.1, np.abs(moves).max()  # 8-bit rounding of the blended edges
+    assert np.abs(moves).max(axis=0).min() > 1.3  # both axes reach the bound
+    np.testing.assert_allclose(moves.std(axis=0), 1.5 / math.sqrt(3), rtol=0.15)  # uniform on [-1.5, 1.5]
+    assert not np.array_equal(sh.image(5, variant=1), sh.image(5))  # another draw of the same caption
+    for which in ("unseen", "seen"):
+        ev, ev_full = sh.with_split(which), full.with_split(which)
+        assert ev.shift == 1.5
+        for i in range(20):
+            np.testing.assert_array_equal(ev[i]["image"], ev_full[i]["image"])
+    from reve_jax.data.synthetic import alignment
+
+    scores = alignment.score(np.stack([sh[i]["image"] for i in range(128)]), [sh.scene(i) for i in range(128)])
+    assert scores["align_exact"] == 1.0, scores
+    assert pipeline.dataset_from_config(_data_cfg(render="fixed", shift=1.0)).shift == 1.0
+    np.testing.assert_array_equal(SyntheticShapes(32, 10, **kw, shift=0.0)[3]["image"], full[3]["image"])
+    for bad in (dict(render="fixed", shift=-1.0), dict(render="jitter", shift=1.0)):
+        with pytest.raises(ValueError, match="data.shift"):
+            SyntheticShapes(32, 10, **bad)
+
+
 def test_sizes_and_shapes_differ_at_every_resolution():
     for size in (32, 64, 256, 512):
         areas = {

@@ -125,3 +125,40 @@ def test_a_saved_config_from_before_the_split_reads_as_trained_on_everything():
     del old["data"]["heldout_frac"], old["data"]["heldout_seed"]
     assert config.from_json(json.dumps(old)).data.heldout_frac == 0.0
     assert config.from_json(saved).data.heldout_frac == 0.15
+
+
+def test_scores_by_group_split_the_captions_by_held_out_pair_and_size():
+    """alignment.by_group: each caption counted once among the held-out kinds and once among the sizes, each
+    group's align_exact and align_shape the share of its captions whose checks all pass (and whose shape does)."""
+    from reve_jax.data.synthetic import SceneObject, alignment
+    from reve_jax.data.synthetic.grammar import Scene
+
+    held = split.Compositions(frozenset({("red", "circle")}), frozenset({("square", 4)}))
+    scenes = [
+        Scene("white", (SceneObject("circle", "red", "small", 0),)),  # color-shape
+        Scene("white", (SceneObject("circle", "red", "large", 1),)),  # color-shape
+        Scene("white", (SceneObject("square", "blue", "small", 4),)),  # shape-cell
+        Scene("white", (SceneObject("square", "red", "large", 4),)),  # shape-cell (red square is trained)
+        Scene("white", (SceneObject("circle", "red", "small", 2), SceneObject("square", "blue", "large", 4))),  # both
+        Scene("white", (SceneObject("cross", "green", "small", 3),)),  # none
+    ]
+    assert [held.kinds(s) for s in scenes] == ["color-shape"] * 2 + ["shape-cell"] * 2 + ["both", "none"]
+    n = len(scenes)
+    ok = np.array([[1, 1]] * n)
+    checks = {a: ok.copy() for a in alignment.ATTRIBUTES}
+    checks["shape"] = np.array([[0, 1], [1, 1], [1, 1], [0, 1], [1, 2], [1, 1]])  # wrong: 0, 3 and one of 4's
+    checks["color"] = np.array([[1, 1], [1, 1], [0, 1], [1, 1], [2, 2], [1, 1]])  # wrong: 2
+    got = alignment.by_group(checks, scenes, held)
+    want = {  # group: (captions, exact, shape right)
+        "held-out color-shape": (2, 1 / 2, 1 / 2),
+        "held-out shape-cell": (2, 0.0, 1 / 2),
+        "held-out both": (1, 0.0, 1 / 2),
+        "no held-out pair": (1, 1.0, 1.0),
+        "small": (3, 1 / 3, 2 / 3),  # 0, 2, 5
+        "large": (2, 1 / 2, 1 / 2),  # 1, 3
+        "mixed": (1, 0.0, 1 / 2),  # 4
+    }
+    assert list(got) == list(want)
+    for g, (count, exact, shape) in want.items():
+        assert got[g]["n"] == count and got[g]["align_exact"] == pytest.approx(exact), (g, got[g])
+        assert got[g]["align_shape"] == pytest.approx(shape), (g, got[g])

@@ -265,6 +265,7 @@ def _open_dataset(data_cfg: Any, what: Any, which: str = "train") -> Dataset:
             heldout=heldout_compositions(data_cfg),
             split=which,
             caption_drop=data_cfg.get("caption_drop", 0.0),
+            shift=data_cfg.get("shift", 0.0),
         )
     return shards.ShardSource(what)
 

@@ -7,8 +7,9 @@ Outputs, under <workdir>/evaluation/ unless told otherwise:
 - step_<N>.json: {"workdir", "step", "n", "seed", "config", "heldout_compositions", "splits": {split: {"metrics"
   (the Evaluator's flat dict: alignment per attribute, align_exact and align_overall with 95% bootstrap
   intervals, KID and its floor, the controls, v-loss), "captions": [{"index", "caption", "checks": {attribute:
-  [passed, total]}}]}}, "feature_net" (its held-out per-object accuracy)}; with `regions`, also "regions": the KID
-  with each region around the objects given back its real pixels (first split);
+  [passed, total]}}], "groups" (align_exact and align_shape by the held-out pairs a caption holds and by its
+  objects' size: alignment.by_group)}}, "feature_net" (its held-out per-object accuracy)}; with `regions`, also
+  "regions": the KID with each region around the objects given back its real pixels (first split);
 - step_<N>.png: the first `grid` generated images of the first split with their captions, each caption's checks
   marked.
 
@@ -82,15 +83,17 @@ def score_checkpoint(
         checks = ev.checks(images)
         rows = [{a: [int(v) for v in checks[a][i]] for a in alignment.ATTRIBUTES} for i in range(n)]
         captions = [ev.dataset.caption(int(i)) for i in ev.heldout["index"]]
+        groups = alignment.by_group(checks, ev.scenes, ev.dataset.heldout)
         result["splits"][name] = {
             "metrics": metrics,
+            "groups": groups,
             "captions": [
                 {"index": int(i), "caption": c, "checks": r}
                 for i, c, r in zip(ev.heldout["index"], captions, rows, strict=True)
             ],
         }
         result["feature_net"] = ev.feature_info and {k: v for k, v in ev.feature_info.items() if k.startswith("test_")}
-        log(f"{name} compositions, {n} captions:\n{summary_line(metrics)}")
+        log(f"{name} compositions, {n} captions:\n{summary_line(metrics)}\n{groups_line(groups)}")
         if first is None:
             first = (ev, images, captions, rows)
     ev, images, captions, rows = first
@@ -133,6 +136,11 @@ def denoise_checkpoint(
     log(f"step {step} of {workdir}, {n} held-out images (rows of the grid: clean, then noisy input and x_hat per t)")
     log(denoise.format_table(table, times))
     return result, json_path, png_path
+
+
+def groups_line(groups: dict) -> str:
+    """One line: align_exact (and the number of captions) of each caption group of alignment.by_group."""
+    return "exact by caption: " + "  ".join(f"{g} {v['align_exact']:.3f} ({v['n']})" for g, v in groups.items())
 
 
 def summary_line(m: dict) -> str:

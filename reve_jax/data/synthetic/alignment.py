@@ -500,6 +500,28 @@ def summarize(checks: dict[str, np.ndarray]) -> dict[str, float]:
     return out
 
 
+def by_group(checks: dict[str, np.ndarray], scenes: list[grammar.Scene], heldout) -> dict[str, dict[str, float]]:
+    """Where the checks (check_batch) fail: align_exact and align_shape, with the number of images, over the images
+    grouped by which held-out pairs their caption holds (split.Compositions.kinds: "held-out color-shape",
+    "held-out shape-cell", "held-out both", "no held-out pair") and by their objects' size ("small", "large",
+    "mixed"). Groups without images are left out."""
+    kinds = ["held-out color-shape", "held-out shape-cell", "held-out both", "no held-out pair"]
+    order = [*kinds, *grammar.SIZES, "mixed"]
+    groups: dict[str, list[int]] = {g: [] for g in order}
+    for i, scene in enumerate(scenes):
+        kind = heldout.kinds(scene)
+        sizes = {o.size for o in scene.objects}
+        groups["no held-out pair" if kind == "none" else f"held-out {kind}"].append(i)
+        groups[sizes.pop() if len(sizes) == 1 else "mixed"].append(i)
+    out = {}
+    for g, idx in groups.items():
+        if not idx:
+            continue
+        s = summarize({a: v[idx] for a, v in checks.items()})
+        out[g] = {"n": len(idx), "align_exact": s["align_exact"], "align_shape": s["align_shape"]}
+    return out
+
+
 def score(images: np.ndarray, scenes: list[grammar.Scene], reader: Reader = DEFAULT_READER) -> dict[str, float]:
     """Caption alignment of `images` ([N, S, S, 3], uint8 or float in [-1, 1]) against their `scenes`.
 

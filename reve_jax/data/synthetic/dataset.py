@@ -14,6 +14,7 @@ from reve_jax.data.synthetic.render import (
 from reve_jax.data.synthetic.split import NONE, SPLIT_TAGS, SPLITS, Compositions
 
 _KEY_CAPTION = 1003  # the key tag of a training caption's left-out words (controls.py uses 1001 and 1002)
+_KEY_SHIFT = 1004  # the key tag of a training image's object offsets (`shift`)
 
 
 class SyntheticShapes:
@@ -36,6 +37,10 @@ class SyntheticShapes:
         or position word (each apart, drawn from the sample's key; the image still shows it), so that each word is
         also learned without the others. Evaluation splits state every attribute. 0 (the default): every caption
         states everything, as in earlier versions.
+      shift: in the train split of the fixed rendering, the largest distance in pixels, along each axis apart, that
+        an object's center moves from its cell's center (uniform, drawn from the sample's key; the caption still
+        holds: at the tested 1 px every object stays in its cell), so that each shape is seen at every sub-pixel and
+        sub-patch position. Evaluation splits draw objects centered. 0 (the default): one image per caption.
     """
 
     def __init__(
@@ -52,6 +57,7 @@ class SyntheticShapes:
         heldout: Compositions = NONE,
         split: str = "train",
         caption_drop: float = 0.0,
+        shift: float = 0.0,
     ):
         if image_size < 9:
             raise ValueError(f"data.image_size={image_size}: need at least 9 pixels (3 per grid cell)")
@@ -72,6 +78,11 @@ class SyntheticShapes:
             raise ValueError(f"data.caption_drop={caption_drop}: a probability in [0, 1) (0 states every attribute)")
         if render not in RENDERS:
             raise ValueError(f"data.render={render!r}: choose one of {RENDERS}")
+        if shift < 0 or (shift and render != "fixed"):
+            raise ValueError(
+                f"data.shift={shift}: pixels >= 0, for the fixed rendering (the jitter rendering moves objects "
+                "within their cells already): set data.shift=0 or data.render='fixed'"
+            )
         self.image_size = int(image_size)
         self.num_samples = int(num_samples)
         self.seed = int(seed)
@@ -88,6 +99,8 @@ class SyntheticShapes:
         self.heldout, self.split = heldout, split
         self.caption_drop = float(caption_drop)
         self._drop = self.caption_drop if split == "train" else 0.0  # evaluation captions state everything
+        self.shift = float(shift)
+        self._shift = self.shift if split == "train" else 0.0  # evaluation images are drawn centered
         self._tag = (SPLIT_TAGS[split],) if split in SPLIT_TAGS else ()
 
     def with_split(self, split: str) -> "SyntheticShapes":
@@ -95,7 +108,7 @@ class SyntheticShapes:
         return SyntheticShapes(
             self.image_size, self.num_samples, self.seed, self.max_objects, min_objects=self.min_objects,
             shapes=self.shapes, colors=self.colors, render=self.render, heldout=self.heldout, split=split,
-            caption_drop=self.caption_drop,
+            caption_drop=self.caption_drop, shift=self.shift,
         )  # fmt: skip
 
     def key(self, index: int, *extra: int) -> list[int]:
@@ -141,6 +154,13 @@ class SyntheticShapes:
         omit = tuple(frozenset(a for a, d in zip(OMITTABLE, row, strict=True) if d) for row in drop)
         return caption_of(scene, omit)
 
+    def _offsets(self, index: int, scene: Scene, variant: int = 0) -> np.ndarray | None:
+        """Each object's (dy, dx) offset in pixels in a train-split image with `shift` (None: centered)."""
+        if not self._shift:
+            return None
+        rng = np.random.default_rng(self.key(index, _KEY_SHIFT, *([variant] if variant else [])))
+        return rng.uniform(-self._shift, self._shift, (len(scene.objects), 2))
+
     def style(self, index: int, variant: int = 0) -> Style | None:
         """How sample `index` is drawn (None for the fixed rendering); variant > 0: another draw for its caption."""
         if self.render == "fixed":
@@ -160,16 +180,16 @@ class SyntheticShapes:
 
     def image(self, index: int, variant: int = 0) -> np.ndarray:
         """The image of sample `index`; variant > 0 draws another image of the same caption (the fixed rendering
-        has one). uint8 [S, S, 3]."""
+        has one, or more with `shift`). uint8 [S, S, 3]."""
         scene = self.scene(index)
         if self.render == "fixed":
-            return render_scene(scene, self.image_size)
+            return render_scene(scene, self.image_size, self._offsets(index, scene, variant))
         return render_jittered(scene, self.style(index, variant), self.image_size)
 
     def __getitem__(self, index: int) -> dict:
         scene, rng = self._draw(index)
         if self.render == "fixed":
-            image = render_scene(scene, self.image_size)
+            image = render_scene(scene, self.image_size, self._offsets(index, scene))
         else:
             image = render_jittered(scene, sample_style(rng, scene, strength=self.strength), self.image_size)
         return {"image": image, "caption": self._caption(index, scene), "description": scene}

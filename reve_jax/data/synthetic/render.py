@@ -95,9 +95,13 @@ def _shape_sdf(shape: str, y: np.ndarray, x: np.ndarray, r: float) -> np.ndarray
     raise ValueError(f"unknown shape {shape!r}; known: {SHAPES}")
 
 
-def _coverage_patch(obj: SceneObject, image_size: int) -> tuple[int, int, np.ndarray]:
-    """Coverage in [0, 1] of `obj` over the pixels of its bounding box: returns (y0, x0, coverage [h, w])."""
+def _coverage_patch(
+    obj: SceneObject, image_size: int, offset: tuple[float, float] = (0.0, 0.0)
+) -> tuple[int, int, np.ndarray]:
+    """Coverage in [0, 1] of `obj`, its center moved by `offset` (dy, dx) pixels from its cell's center, over the
+    pixels of its bounding box: returns (y0, x0, coverage [h, w])."""
     cy, cx = cell_center(obj.cell, image_size)
+    cy, cx = cy + offset[0], cx + offset[1]
     r = object_radius(obj.size, image_size)
     y0, y1 = max(0, math.floor(cy - r - 1)), min(image_size, math.ceil(cy + r + 1))
     x0, x1 = max(0, math.floor(cx - r - 1)), min(image_size, math.ceil(cx + r + 1))
@@ -116,13 +120,14 @@ def object_coverage(obj: SceneObject, image_size: int) -> np.ndarray:
     return full
 
 
-def render_scene(scene: Scene, image_size: int) -> np.ndarray:
-    """Draws `scene` anti-aliased; returns uint8 [image_size, image_size, 3]."""
+def render_scene(scene: Scene, image_size: int, offsets: np.ndarray | None = None) -> np.ndarray:
+    """Draws `scene` anti-aliased; `offsets` [objects, 2]: each object's center moved by (dy, dx) pixels from its
+    cell's center (None: centered, the fixed rendering). Returns uint8 [image_size, image_size, 3]."""
     img = np.empty((image_size, image_size, 3), np.uint8)
     img[:] = COLORS[scene.background]
     # Blend in float only inside each object's box (the bulk of a large image is plain background).
-    for obj in scene.objects:
-        y0, x0, cov = _coverage_patch(obj, image_size)
+    for i, obj in enumerate(scene.objects):
+        y0, x0, cov = _coverage_patch(obj, image_size, (0.0, 0.0) if offsets is None else tuple(offsets[i]))
         window = (slice(y0, y0 + cov.shape[0]), slice(x0, x0 + cov.shape[1]))
         patch = img[window].astype(np.float32)
         patch += cov[..., None] * (np.asarray(COLORS[obj.color], np.float32) - patch)

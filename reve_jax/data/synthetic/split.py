@@ -43,6 +43,12 @@ class Compositions:
     def in_scene(self, scene) -> bool:
         return any(self.holds(o) for o in scene.objects)
 
+    def kinds(self, scene) -> str:
+        """Which held-out pairs a scene holds: "color-shape", "shape-cell", "both" or "none"."""
+        cs = any((o.color, o.shape) in self.color_shape for o in scene.objects)
+        sc = any((o.shape, o.cell) in self.shape_cell for o in scene.objects)
+        return {(True, True): "both", (True, False): "color-shape", (False, True): "shape-cell"}.get((cs, sc), "none")
+
     def describe(self) -> str:
         cs = ", ".join(f"{c} {s}" for c, s in sorted(self.color_shape))
         sc = ", ".join(f"{s} in cell {c}" for s, c in sorted(self.shape_cell))
