@@ -250,3 +250,22 @@ def test_launcher_arguments_and_hints():
     assert group_sizes("auto", 4, 2, {"global_batch": 32, "grad_accum": 2}) == (1, 2, 4)
     assert group_sizes("any", 4, 2, {"global_batch": 32}) == ()
     assert group_sizes("4,2", 4, 2, {}) == (2, 4)
+
+
+def test_a_trainer_script_of_another_checkout_is_named_in_a_warning(tmp_path):
+    """The launcher run with another checkout's scripts/train.py than the installed reve_jax's: a warning names
+    both and the fix (its workers would run the installed code, with compile-ahead and snapshots off); this
+    checkout's trainer and a non-trainer script give none."""
+    from reve_jax.elastic.launch import other_checkout, precompile_argv, snapshot_override
+
+    def args_for(script):
+        return parse_args(["--config", "configs/tiny.py", "--workdir", "w", "--hosts", "2", "--script", script])[0]
+
+    other = tmp_path / "checkout" / "scripts" / "train.py"
+    mine = args_for(os.path.join(ROOT, "scripts", "train.py"))
+    assert other_checkout(mine) is None and precompile_argv(mine, []) and snapshot_override(mine, [])
+    theirs = args_for(str(other))
+    warning = other_checkout(theirs)
+    assert str(other) in warning and ROOT in warning and f"pip install -e {tmp_path / 'checkout'}" in warning
+    assert precompile_argv(theirs, []) == [] and snapshot_override(theirs, []) == []
+    assert other_checkout(args_for(str(tmp_path / "worker.py"))) is None

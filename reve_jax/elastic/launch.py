@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 
 from reve_jax import cli
 from reve_jax.elastic import backends, inprocess
@@ -186,6 +187,22 @@ def is_trainer(args) -> bool:
     return any(script == os.path.join(backends.REPO_ROOT, "scripts", name) for name in TRAINER_SCRIPTS)
 
 
+def other_checkout(args) -> str | None:
+    """A warning when the worker script is a trainer script of another checkout than the reve_jax this process
+    imported (an editable install of one checkout, the launcher run from another): its workers would run the
+    installed package's code, and compile-ahead and in-memory snapshots, which need the trainer, are off. None when
+    the script is this package's trainer, or not a trainer script at all."""
+    script = os.path.abspath(args.script)
+    if is_trainer(args) or os.path.basename(script) not in TRAINER_SCRIPTS:
+        return None
+    checkout = os.path.dirname(os.path.dirname(script))
+    return (
+        f"launch: warning: {script} is not the trainer of the installed reve_jax ({backends.REPO_ROOT}): its "
+        f"workers import that package, and compile-ahead and in-memory snapshots are off. Run "
+        f"`pip install -e {checkout}` to launch this checkout's code."
+    )
+
+
 def precompile_argv(args, overrides: list[str]) -> list[str]:
     """The compile-ahead job's command line, for the trainer only (another worker script has its own step)."""
     if not is_trainer(args):
@@ -197,6 +214,8 @@ def precompile_argv(args, overrides: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """Runs the launcher; returns the supervisor's exit code (0 finished, 2 stopped, 1 failed)."""
     args, overrides = parse_args(argv)
+    if warning := other_checkout(args):
+        print(warning, file=sys.stderr, flush=True)
     overrides = [*overrides, *snapshot_override(args, overrides)]
     workdir = os.path.abspath(args.workdir)
     os.makedirs(workdir, exist_ok=True)
