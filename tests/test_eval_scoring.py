@@ -39,6 +39,15 @@ def test_evaluate_scores_a_trained_run(tmp_path):
     for a in alignment.ATTRIBUTES:
         passed, total = np.sum([r["checks"][a] for r in rows], axis=0)
         assert m[f"align_{a}"] == passed / total
+    # The groups: every unseen caption holds a held-out pair, each counted once by kind and once by size, and
+    # the groups' exact scores add up to the split's.
+    kinds = {g: v for g, v in unseen["groups"].items() if g.startswith("held-out")}
+    sizes = {g: v for g, v in unseen["groups"].items() if g in ("small", "large", "mixed")}
+    assert kinds and sizes and set(unseen["groups"]) == set(kinds) | set(sizes)
+    for part in (kinds, sizes):
+        assert sum(v["n"] for v in part.values()) == 16
+        assert sum(v["n"] * v["align_exact"] for v in part.values()) == pytest.approx(16 * m["align_exact"])
+    assert seen["groups"]["no held-out pair"]["n"] == 16 and not any(g.startswith("held-out") for g in seen["groups"])
     assert result["feature_net"]["test_accuracy"]["shape"] >= 0.95  # the checked-in net's held-out shape: 0.971
     png = Image.open(workdir / "evaluation" / "step_2.png")
     assert png.size[0] > 4 * 128 and png.size[1] > 4 * 128  # a 4 x 4 grid of 16 images, 128 px cells at least
