@@ -39,8 +39,9 @@ class SyntheticShapes:
         states everything, as in earlier versions.
       shift: in the train split of the fixed rendering, the largest distance in pixels, along each axis apart, that
         an object's center moves from its cell's center (uniform, drawn from the sample's key; the caption still
-        holds: at the tested 1 px every object stays in its cell), so that each shape is seen at every sub-pixel and
-        sub-patch position. Evaluation splits draw objects centered. 0 (the default): one image per caption.
+        holds: up to 1.5 px at 32 px the reader reads every object in its cell, tests/test_data.py), so that each
+        shape is seen at every sub-pixel and sub-patch position. Evaluation splits draw objects centered. 0 (the
+        default): one image per caption.
     """
 
     def __init__(
