@@ -248,6 +248,29 @@ def _short_cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first[:300]}"
 
 
+_CPU_HANDLER = False  # registered in this process
+
+
+def _no_replica_parallel_on_cpu() -> None:
+    """On CPU, save each array from one replica. Orbax's default splits a replicated array into one slice per
+    replica and copies each to the host apart, to spread device-to-host copies over accelerators (it turns this off
+    itself when JAX_PLATFORMS names a GPU); CPU devices are host memory already, and every slice is a dispatched
+    (at first, compiled) slice program: the first save of a 70k-parameter state on 8 CPU devices took 6.9 s (2,288
+    slices), later ones 1.3 s. Process-wide (Orbax's handler registry); a no-op on other platforms."""
+    global _CPU_HANDLER
+    if _CPU_HANDLER or jax.default_backend() != "cpu":
+        return
+    _CPU_HANDLER = True
+    # Orbax's own default handler but for the option (its registry, without the warning that it is replaced).
+    from orbax.checkpoint._src.metadata import array_metadata_store
+    from orbax.checkpoint._src.serialization import type_handler_registry
+
+    handler = ocp.type_handlers.ArrayHandler(
+        array_metadata_store=array_metadata_store.Store(), use_replica_parallel=False
+    )
+    type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY.add(jax.Array, handler, override=True, ignore_warnings=True)
+
+
 class Checkpointer:
     """Save and restore `state` pytrees plus JSON metadata under `<workdir>/checkpoints/<step>/`."""
 
@@ -268,6 +291,7 @@ class Checkpointer:
         self._open()
 
     def _open(self):
+        _no_replica_parallel_on_cpu()
         self._remove_failed_saves()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=self.keep, create=True, enable_async_checkpointing=self.async_save

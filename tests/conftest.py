@@ -34,6 +34,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 import jax  # noqa: E402
 
 jax.config.update("jax_threefry_partitionable", True)
+# jax was imported above (util, reve_jax.xla) before these variables were set, so its options read them here; the
+# pytest-xdist workers start with them set, a plain `pytest` process does not.
+jax.config.update("jax_platforms", os.environ["JAX_PLATFORMS"])
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update(
+    "jax_persistent_cache_min_compile_time_secs", float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 1))
+)
 
 
 # The files whose tests run longest (minutes of subprocess training each), measured on the 2-core CI machine. Under

@@ -309,6 +309,9 @@ TINY = [
     "--config.train.peak_tflops=1", "--config.data.worker_threads=1",
 ]  # fmt: skip
 TRAIN = os.path.join(ROOT, "scripts", "train.py")
+# The real-trainer tests share the session's compile cache (tests/conftest.py): the second loads the executables
+# the first compiled for 3 and 2 hosts. Neither times compiles (test_elastic_netns does, with a cache of its own).
+SHARED_CACHE = ["--compile-cache", os.environ["JAX_COMPILATION_CACHE_DIR"]]
 
 
 def _final_params(workdirs: list[str]) -> list[tuple[int, list]]:
@@ -329,13 +332,22 @@ def _final_params(workdirs: list[str]) -> list[tuple[int, list]]:
     return out
 
 
+# scripts/train.py with its compiled step cached under the key an elastic group's processes look up
+# (xla.share_executables_between_processes), so that the first 3-host launch loads the reference's executable.
+_SHARED_KEY_TRAIN = (
+    "import runpy, sys; from reve_jax import xla; xla.share_executables_between_processes(); "
+    "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+
+
 def _train_reference(workdir: str) -> None:
     """One uninterrupted process with 6 devices: the same global batch and data order as 3 x 2."""
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(6))
     env.pop("REVE_NUM_PROCESSES", None)
+    argv = [sys.executable, "-c", _SHARED_KEY_TRAIN, TRAIN, "--config", "configs/tiny.py", "--workdir", workdir]
     with open(os.path.join(os.path.dirname(workdir), "reference.log"), "wb") as log:
         code = subprocess.run(
-            [sys.executable, TRAIN, "--config", "configs/tiny.py", "--workdir", workdir, *TINY],
+            [*argv, *TINY],
             cwd=ROOT,
             env=env,
             stdout=log,
@@ -373,7 +385,7 @@ def test_real_trainer_kill_one_of_three_matches_uninterrupted_run(tmp_path, laun
     wd = str(tmp_path / "elastic")
     # The kill comes before a compile ahead could finish, and the warm standbys (3 more processes importing JAX,
     # then 2 for the new group) would only slow this test on 2 cores: test_elastic_netns times both.
-    args = ["--heartbeat-timeout", "5", "--no-readmit", "--no-precompile", "--no-standby", *TINY]
+    args = ["--heartbeat-timeout", "5", "--no-readmit", "--no-precompile", "--no-standby", *SHARED_CACHE, *TINY]
     run = launched(wd, 3, args, script=TRAIN)
     wait_until(lambda: last_metric_step(wd) >= 4, 240, "step 4 of the trainer")
     t_kill = time.time()
@@ -398,7 +410,7 @@ def test_real_trainer_resumes_from_peer_snapshots_after_a_kill(tmp_path, launche
     wd = str(tmp_path / "elastic")
     shm = tmp_path / "shm"  # stands in for /dev/shm, so that the test leaves nothing there
     args = [
-        "--heartbeat-timeout", "5", "--no-readmit", "--no-precompile", "--no-standby", *TINY,
+        "--heartbeat-timeout", "5", "--no-readmit", "--no-precompile", "--no-standby", *SHARED_CACHE, *TINY,
         "--config.train.ckpt_every=100",
         "--config.elastic.snapshot_every=1", f"--config.elastic.snapshot_dir={shm}",
     ]  # fmt: skip

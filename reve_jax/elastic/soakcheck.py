@@ -82,6 +82,10 @@ def worker_main(argv: list[str]) -> int:
     from reve_jax.train import builder, trainer
 
     worker = cli.start_worker()  # first: a standby waits here for its place in a group
+    if worker is None:  # the uninterrupted reference: its executable is cached under the key the group's use
+        from reve_jax import xla
+
+        xla.share_executables_between_processes()
     cfg = cli.load_config_or_exit(args.config, overrides)
     import jax
 
