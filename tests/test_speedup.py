@@ -263,6 +263,39 @@ def test_a_signalled_run_writes_no_record_and_the_rerun_resumes_it(tmp_path):
     assert bench.run("pixel", 0)["curve"] == rec["curve"] and lines[-1].endswith(f"reused from {record}")
 
 
+def test_an_archive_of_run_records_resumes_a_study_elsewhere(tmp_path, monkeypatch):
+    """Finished runs' records are copied to the archive (a directory kept apart from --out, e.g. in git): another
+    output directory (another machine, a later session) reuses them without training; a sweep run's record holds
+    its final weights' alignment at every guidance scale of the size, so the sweep's guidance choice needs no
+    weights either."""
+    tiny = ("model.width=32", "model.depth=3", "model.heads=2", "text.width=32", "data.image_size=16", "model.patch=4",
+            "train.global_batch=8", "data.worker_threads=0", "sample.steps=2")  # fmt: skip
+    frozen = protocol.build_config(_size("cpu"), "pixel", 0, tiny).sample.cfg_scale
+    size = dataclasses.replace(_size("cpu"), steps=4, evals=2, n_eval=8, n_final=8, cfg_scales=(frozen, 9.0))
+    archive = tmp_path / "archive"
+    kwargs = {"evaluator_kwargs": {"feature_spec": None}, "log": lambda s: None, "archive": archive}
+    first = runner.Runner(size, tmp_path / "here", tiny, **kwargs)
+    rec = first.run("pixel", 0, 2e-3, evals=1, tuning=True)
+    key = runner._run_key(size, "pixel", 0, tiny, 2e-3) + "-e1"
+    assert sorted(p.name for p in archive.iterdir()) == [f"{key}.json"]  # the record only: no weights, no images
+    assert set(rec["cfg_scores"]) == {f"{frozen:g}", "9"} and all(0 <= v <= 1 for v in rec["cfg_scores"].values())
+    # at the run's own scale: the same weights, captions and noise as its final evaluation, so the same score
+    assert rec["cfg_scores"][f"{frozen:g}"] == rec["curve"][-1]["align_overall"]
+
+    def no_training(*a, **kw):
+        raise AssertionError("trained a run the archive holds")
+
+    monkeypatch.setattr(runner, "train_run", no_training)
+    lines = []
+    elsewhere = runner.Runner(size, tmp_path / "elsewhere", tiny, **dict(kwargs, log=lines.append))
+    again = elsewhere.run("pixel", 0, 2e-3, evals=1, tuning=True)
+    assert again["curve"] == rec["curve"] and again["cfg_scores"] == rec["cfg_scores"] and again["reused"]
+    assert lines[-1].endswith(f"reused from {archive / (key + '.json')}")
+    assert (tmp_path / "elsewhere" / "runs" / f"{key}.json").exists()
+    with pytest.raises(AssertionError, match="trained a run"):  # another rate is another run
+        elsewhere.run("pixel", 0, 4e-3, evals=1, tuning=True)
+
+
 def _newton_schulz_flops(shape, steps):
     """Per orthogonalisation of a (rows, cols) matrix with m = min, n = max: X X^T (2 m^2 n), its square (2 m^3)
     and the product with X (2 m^2 n) at every iteration."""
@@ -310,10 +343,10 @@ def test_sweep_extends_the_grid_until_the_winner_is_inside_then_picks_the_guidan
 
     def fake_run(self, method, seed, lr=None, *, evals=None, rate="lr", tuning=False):
         trained.append((method, seed, lr, evals, rate))
-        return {"curve": [{"align_overall": 1.0 - abs(np.log2(lr / 1.6e-2)) / 10}]}
+        score = 1.0 - abs(np.log2(lr / 1.6e-2)) / 10
+        return {"curve": [{"align_overall": score}], "cfg_scores": {"1.5": 0.5, "2": 0.7, "3": 0.6}}
 
     monkeypatch.setattr(runner.Runner, "run", fake_run)
-    monkeypatch.setattr(sweeps, "guidance_scores", lambda workdir, size: {"1.5": 0.5, "2": 0.7, "3": 0.6})
     logs = []
     result = sweeps.sweep(size, tmp_path, ["latent"], max_extend=3, log=logs.append)
     lrs = [t[2] for t in trained]
@@ -343,13 +376,13 @@ def test_a_sweep_over_two_seeds_scores_each_rate_by_its_mean(tmp_path, monkeypat
     }
     trained = []
 
+    guidance = {0: {"1.5": 0.7, "3": 0.9}, 1: {"1.5": 0.8, "3": 0.4}}
+
     def fake_run(self, method, seed, lr=None, *, evals=None, rate="lr", tuning=False):
         trained.append((seed, lr))
-        return {"curve": [{"align_overall": finals[seed][lr]}]}
+        return {"curve": [{"align_overall": finals[seed][lr]}], "cfg_scores": guidance[seed]}
 
-    guidance = {"s0": {"1.5": 0.7, "3": 0.9}, "s1": {"1.5": 0.8, "3": 0.4}}
     monkeypatch.setattr(runner.Runner, "run", fake_run)
-    monkeypatch.setattr(sweeps, "guidance_scores", lambda workdir, size: guidance[workdir.name.split("-")[-2]])
     one = sweeps.sweep(size, tmp_path / "one", ["latent"], seeds=(0,), log=lambda s: None)
     assert one["latent"]["lr"] == 8e-3 and one["latent"]["inside_grid"] and {s for s, _ in trained} == {0}
     trained.clear()
@@ -368,10 +401,12 @@ def test_a_sweep_keeps_the_frozen_rate_and_guidance_on_an_exact_tie(tmp_path, mo
     frozen = protocol.build_config(size, "prx", 0)
     assert (frozen.optim.lr, frozen.sample.cfg_scale) == (1e-3, 1.5), "the test assumes cpu's frozen PRX values"
     finals = {5e-4: 0.8, 1e-3: 0.8, 2e-3: 0.7}
+    scales = {"1": 0.85, "1.5": 0.85, "2": 0.6}
     monkeypatch.setattr(
-        runner.Runner, "run", lambda self, m, s, lr=None, **k: {"curve": [{"align_overall": finals[lr]}]}
+        runner.Runner,
+        "run",
+        lambda self, m, s, lr=None, **k: {"curve": [{"align_overall": finals[lr]}], "cfg_scores": scales},
     )
-    monkeypatch.setattr(sweeps, "guidance_scores", lambda workdir, size: {"1": 0.85, "1.5": 0.85, "2": 0.6})
     result = sweeps.sweep(size, tmp_path / "tie", ["prx"], log=lambda s: None)["prx"]
     assert result["lr"] == 1e-3 and result["inside_grid"] and result["cfg_scale"] == 1.5
     finals[5e-4] = 0.81  # no longer a tie: the better rate wins (at the grid's edge, so the grid grows below it)
@@ -394,6 +429,12 @@ def test_a_finished_run_is_reused_across_added_config_keys():
     saved["loss"]["dino_target"] = "features"  # a value other than the one ADDED_KEYS says old runs had
     assert not protocol.same_config(json.dumps(saved, sort_keys=True), cfg)
     assert not protocol.same_config(None, cfg)
+    # a latent run's autoencoder is matched by its file name (its settings' hash), wherever the cache directory is
+    latent = protocol.build_config(_size("cpu"), "latent", 0)
+    runner.config_lib.apply_override(latent, "latent.path='/machine_a/cache/autoencoder_0123456789ab.npz'")
+    moved = latent.to_json().replace("/machine_a/cache/", "runs/s30/cache/")
+    assert moved != latent.to_json() and protocol.same_config(moved, latent)
+    assert not protocol.same_config(moved.replace("0123456789ab", "ba9876543210"), latent)
     # Muon's settings do not count for a run that trains with AdamW; for a Muon run they do
     saved = json.loads(config_lib.to_json(cfg))
     saved["optim"]["muon_lr"] = 0.123

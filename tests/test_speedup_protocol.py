@@ -40,10 +40,9 @@ def test_every_method_gets_the_same_sweep_and_a_muon_arm_sweeps_both_rates(tmp_p
         calls.append((method, seed, rate, lr, tuning, self.extra))
         peak = 2e-3 if rate == "lr" else 4e-3  # inside the grid for lr; at its edge, once, for muon_lr
         score = 0.8 - abs(np.log2(lr / peak)) * 0.1
-        return {"curve": [{"align_overall": score}]}
+        return {"curve": [{"align_overall": score}], "cfg_scores": {"1": 0.5, "1.5": 0.7, "2": 0.6, "3": 0.4}}
 
     monkeypatch.setattr(runner.Runner, "run", fake_run)
-    monkeypatch.setattr(sweeps, "guidance_scores", lambda workdir, size: {"1": 0.5, "1.5": 0.7, "2": 0.6, "3": 0.4})
     result = sweeps.sweep_all(size, tmp_path, ["latent", "latent+muon"], log=lambda s: None)
     assert {c[1] for c in calls} == set(size.tune_seeds) and all(c[4] for c in calls)  # tuning seeds and noise
     assert result["latent"]["lr"] == 2e-3 and "muon_lr" not in result["latent"]

@@ -143,10 +143,15 @@ def check_reconstructions(cfg, model: autoencoder.Autoencoder, n: int = 256) -> 
     }
 
 
+def cache_path(cfg, cache_dir: str | Path) -> Path:
+    """Where `cached` keeps the autoencoder for `cfg`'s data and latent settings (the file may not exist yet)."""
+    return Path(cache_dir) / f"autoencoder_{cache_key(cfg)}.npz"
+
+
 def cached(cfg, cache_dir: str | Path) -> tuple[Path, dict]:
     """The autoencoder for `cfg`'s data and latent settings from `cache_dir`, trained and checked there first when
     missing (training cost and reconstruction scores in its info). Returns (path, info)."""
-    path = Path(cache_dir) / f"autoencoder_{cache_key(cfg)}.npz"
+    path = cache_path(cfg, cache_dir)
     if path.is_file():
         return path, autoencoder.load(path)[1]["info"]
     log.info("training the autoencoder (%d steps) into %s", cfg.latent.train_steps, path)

@@ -73,6 +73,11 @@ def main(argv=None, doc: str = __doc__):
     p.add_argument(
         "--cache-dir", help="feature-net, autoencoder and compilation cache directory (default: <out>/cache)"
     )
+    p.add_argument(
+        "--archive",
+        help="a directory of finished runs' records kept apart from --out (e.g. committed): runs found there are "
+        "reused, runs finished here are copied there (docs/speedup.md, 'Across machines')",
+    )
     p.add_argument("--rescore", action="store_true", help="recompute alignment of a finished --out from its images")
     p.add_argument("--dry-run", action="store_true", help="check the size, the run configs and the mesh, then exit")
     args, overrides = cli.parse_args(p, argv)
@@ -111,7 +116,9 @@ def main(argv=None, doc: str = __doc__):
     out = Path(args.out)
     xla.enable_compile_cache(Path(args.cache_dir or out / "cache") / "xla")
     print(f"machine: {platform.node()}, {xla.cpu_model()}, {os.cpu_count()} CPUs", flush=True)
-    kwargs = dict(extra=tuple(extra), cache_dir=args.cache_dir, log=lambda s: print(s, flush=True))
+    kwargs = dict(
+        extra=tuple(extra), cache_dir=args.cache_dir, archive=args.archive, log=lambda s: print(s, flush=True)
+    )
     kwargs["evaluator_kwargs"] = {"dinov2_path": args.dinov2} if args.dinov2 else None
     try:
         if args.sweep:

@@ -107,12 +107,15 @@ def build_config(size: Protocol, method: str, seed: int, extra: tuple[str, ...] 
 
 def _read_keys(cfg_json: str) -> dict:
     """A config's JSON as a dict without the keys the run never read: Muon's settings (optim.muon_*) when the
-    optimizer is not Muon, the sampler's clamp (sample.t_eps) when the model does not predict x."""
+    optimizer is not Muon, the sampler's clamp (sample.t_eps) when the model does not predict x; the autoencoder's
+    path as its file name (latent/training.py `cache_path`: named by the hash of what it was trained on)."""
     d = json.loads(cfg_json)
     if d["optim"]["name"] != "muon":
         d["optim"] = {k: v for k, v in d["optim"].items() if not k.startswith("muon_")}
     if d["diffusion"]["prediction"] != "x":
         d["sample"] = {k: v for k, v in d["sample"].items() if k != "t_eps"}
+    if d["latent"].get("path"):  # the autoencoder's file name holds its settings' hash; its directory is a machine's
+        d["latent"]["path"] = os.path.basename(d["latent"]["path"])
     return d
 
 

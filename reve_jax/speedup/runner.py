@@ -129,32 +129,65 @@ def _run_key(size: Protocol, method: str, seed: int, extra, lr: float | None = N
 
 
 class Runner:
-    """Runs (or reuses) benchmark runs into `<out>/runs/`."""
+    """Runs (or reuses) benchmark runs into `<out>/runs/`. `archive`: a directory of finished runs' records (their
+    JSON, no weights or images) kept apart from `out`, e.g. committed to the repository: a run found there is
+    reused (and its autoencoder not trained), and every run finished here is copied there, so a study spread over
+    machines and sessions resumes where the archive stands."""
 
-    def __init__(self, size: Protocol, out: Path, extra=(), cache_dir=None, evaluator_kwargs=None, log=print):
+    def __init__(self, size: Protocol, out: Path, extra=(), cache_dir=None, evaluator_kwargs=None, log=print,
+                 archive=None):  # fmt: skip
         self.size, self.out, self.extra, self.log = size, Path(out), tuple(extra), log
         self.cache_dir = Path(cache_dir) if cache_dir else self.out / "cache"
+        self.archive = Path(archive) if archive else None
         self.ev_kwargs = {"cache_dir": self.cache_dir, **(evaluator_kwargs or {})}
         self.autoencoders: dict[str, dict] = {}
         self.invocation = f"{platform.node()}-{os.getpid()}-{time.time():.0f}"  # runs trained by this Runner
         (self.out / "runs").mkdir(parents=True, exist_ok=True)
 
+    def _finished(self, key: str, cfg, size: Protocol, tuning: bool) -> dict | None:
+        """The finished record of run `key` with `cfg`, from <out>/runs or the archive (copied to <out>/runs), or
+        None. A sweep's run counts as finished once it has its guidance scores (older records get them here from
+        their weights when these are still in <out>/runs)."""
+        for path in (self.out / "runs" / f"{key}.json", *([self.archive / f"{key}.json"] if self.archive else [])):
+            if not path.exists():
+                continue
+            rec = json.loads(path.read_text())
+            if not (same_config(rec.get("config"), cfg) and complete(rec, size.steps)):
+                continue
+            if tuning and "cfg_scores" not in rec:
+                if not (self.out / "runs" / key / "checkpoints").is_dir():
+                    continue
+                rec["cfg_scores"] = guidance_scores(self.out / "runs" / key, size, rec)
+            self._save(key, rec)
+            self.log(f"[{key}] reused from {path}")
+            return dict(rec, reused=rec.get("invocation") != self.invocation)
+        return None
+
+    def _save(self, key: str, rec: dict) -> None:
+        text = json.dumps(rec)
+        for d in (self.out / "runs", self.archive):
+            if d is not None:
+                d.mkdir(parents=True, exist_ok=True)
+                tmp = d / f"{key}.json.tmp"
+                tmp.write_text(text)
+                tmp.replace(d / f"{key}.json")
+
     def run(self, method: str, seed: int, lr: float | None = None, *, evals: int | None = None,
             rate: str = "lr", tuning: bool = False) -> dict:  # fmt: skip
         """One run (reused when a finished record of the same config exists). `tuning`: a sweep's run, evaluated
-        with the size's tuning noise seed (tune_eval_seed) instead of the headline's."""
+        with the size's tuning noise seed (tune_eval_seed) instead of the headline's, and its final weights scored
+        at each of the size's guidance scales (the record's "cfg_scores")."""
         size = self.size if evals is None else dataclasses.replace(self.size, evals=evals)
         key = _run_key(size, method, seed, self.extra, lr, rate) + ("" if evals is None else f"-e{evals}")
-        path = self.out / "runs" / f"{key}.json"
         cfg = build_config(size, method, seed, self.extra, lr, rate)
+        if cfg.latent.path:  # where the size's autoencoder is (or will be): part of the config a record matches
+            config_lib.apply_override(cfg, f"latent.path='{latent_training.cache_path(cfg, self.cache_dir)}'")
+        found = self._finished(key, cfg, size, tuning)
+        if found is not None:
+            return found
         cfg, ae = with_autoencoder(cfg, size, self.cache_dir, self.log)
         if ae is not None:
             self.autoencoders[cfg.latent.path] = ae
-        if path.exists():
-            rec = json.loads(path.read_text())
-            if same_config(rec.get("config"), cfg) and complete(rec, size.steps):
-                self.log(f"[{key}] reused from {path}")
-                return dict(rec, reused=rec.get("invocation") != self.invocation)
         workdir = self.out / "runs" / key
         if (workdir / "config.json").exists() and not same_config((workdir / "config.json").read_text(), cfg):
             raise RuntimeError(f"{workdir} holds a run of another config: move it away or use another --out")
@@ -182,8 +215,30 @@ class Runner:
         record.update(method=method, seed=seed, lr=cfg.optim.lr, muon_lr=cfg.optim.muon_lr,
                       cfg_scale=cfg.sample.cfg_scale, config=config_lib.to_json(cfg),
                       invocation=self.invocation)  # fmt: skip
-        path.write_text(json.dumps(record))
+        if tuning:
+            record["cfg_scores"] = guidance_scores(workdir, size, record)
+        self._save(key, record)
         return dict(record, reused=False)
+
+
+def guidance_scores(workdir: Path, size: Protocol, record: dict) -> dict[str, float]:
+    """Caption alignment of a finished run's final EMA weights at each of the size's guidance scales (n_eval
+    captions, the tuning noise seed); {} for a run that diverged (a sweep never picks it)."""
+    if record.get("diverged"):
+        return {}
+    from reve_jax.metrics import quality
+    from reve_jax.train import sampling
+
+    r = sampling.restore_for_sampling(workdir)
+    cfg, graphdef, ema, mesh = r.cfg, r.graphdef, r.params, r.mesh
+    out = {}
+    for scale in size.cfg_scales:
+        c = config_lib.from_json(config_lib.to_json(cfg))
+        config_lib.apply_override(c, f"sample.cfg_scale={scale!r}")
+        ev = quality.Evaluator(c, graphdef, size.n_eval, size.tune_eval_seed, feature_spec=None, mesh=mesh,
+                               split=size.split)  # fmt: skip
+        out[f"{scale:g}"] = ev(ema)[PRIMARY]
+    return out
 
 
 def _pack_images(workdir: Path, dest: Path, size: Protocol, cfg) -> None:
@@ -230,7 +285,7 @@ def _has(runs, metric) -> bool:
 
 
 def run_benchmark(size: Protocol, out_dir, *, methods=None, extra=(), cache_dir=None, evaluator_kwargs=None,
-                  log: Callable[[str], None] = print) -> dict:  # fmt: skip
+                  log: Callable[[str], None] = print, archive=None) -> dict:  # fmt: skip
     """Runs the baseline and `methods` (default: the size's headline methods) on every seed, seed by seed so slow
     drifts of the machine's load hit all methods alike, into `out_dir` (runs/, results.json, speedup.md,
     speedup.png), reusing finished runs. Returns the results dict."""
@@ -238,7 +293,7 @@ def run_benchmark(size: Protocol, out_dir, *, methods=None, extra=(), cache_dir=
         raise ValueError("the protocol has no config file: load it with speedup.load_protocol(path)")
     size.check_seeds(size.seeds)
     out = Path(out_dir)
-    runner = Runner(size, out, extra, cache_dir, evaluator_kwargs, log)
+    runner = Runner(size, out, extra, cache_dir, evaluator_kwargs, log, archive)
     methods = tuple(methods or size.methods)
     t_start = time.perf_counter()
     runs: list[dict] = []

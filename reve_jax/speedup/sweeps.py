@@ -8,9 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from reve_jax import config as config_lib
 from reve_jax.speedup.protocol import PRIMARY, Protocol, build_config
-from reve_jax.speedup.runner import Runner, _run_key
+from reve_jax.speedup.runner import Runner
 
 
 def sweep(
@@ -24,29 +23,32 @@ def sweep(
     max_extend: int = 2,
     rate: str = "lr",
     seeds: tuple[int, ...] | None = None,
+    archive=None,
     log: Callable[[str], None] = print,
 ) -> dict:
     """For each method, on `seeds` (default: the size's tuning seeds, never the headline's): the grid of `rate`
     (each run evaluated at the end only, with the tuning noise seed; a rate's score is its mean over the seeds),
     extended by factors of 2 while the best sits at an edge (at most `max_extend` times), then the guidance scales
-    on the winner's final EMA weights (mean over the seeds). Two seeds choose a rate that holds on both where one
-    seed may pick a rate at the edge of stability. `rate` is one of RATES ("muon_lr" sweeps Muon's group with the
-    main group at its frozen rate; sweep_all chains both). Writes <out>/sweep.json ({method: ...}, or
+    on the winner's final EMA weights (mean over the seeds; each sweep run's record holds its scores). Two seeds
+    choose a rate that holds on both where one seed may pick a rate at the edge of stability. `rate` is one of
+    RATES ("muon_lr" sweeps Muon's group with the main group at its frozen rate; sweep_all chains both). `archive`:
+    Runner's (finished runs' records kept across machines). Writes <out>/sweep.json ({method: ...}, or
     {method@muon_lr: ...}) and returns {method: {rate: best, "cfg_scale", "grid": {rate: mean align}, "per_seed":
     {seed: {rate: align}}, "runs", ...}}."""
     out = Path(out_dir)
-    runner = Runner(size, out, extra, cache_dir, evaluator_kwargs, log)
+    runner = Runner(size, out, extra, cache_dir, evaluator_kwargs, log, archive)
     seeds = tuple(seeds or size.tune_seeds)
     result = {}
     for method in methods:
         frozen = build_config(size, method, seeds[0], extra)  # the incumbent rate and scale win exact ties
         per_seed: dict[int, dict[float, float]] = {seed: {} for seed in seeds}
+        records: dict[tuple[int, float], dict] = {}
         grid = sorted(size.sweep_lrs)
         for _ in range(max_extend + 1):
             for lr in grid:
                 for seed in seeds:
                     if lr not in per_seed[seed]:
-                        rec = runner.run(method, seed, lr, evals=1, rate=rate, tuning=True)
+                        rec = records[seed, lr] = runner.run(method, seed, lr, evals=1, rate=rate, tuning=True)
                         per_seed[seed][lr] = rec["curve"][-1][PRIMARY] if rec["curve"] else float("-inf")
             scores = {lr: float(np.mean([per_seed[seed][lr] for seed in seeds])) for lr in per_seed[seeds[0]]}
             best = pick(scores, getattr(frozen.optim, rate))
@@ -58,8 +60,7 @@ def sweep(
             else:
                 break
         inside = lrs[0] < best < lrs[-1]
-        keys = [_run_key(size, method, seed, extra, best, rate) + "-e1" for seed in seeds]
-        by_seed = [guidance_scores(out / "runs" / key, size) for key in keys]
+        by_seed = [records[seed, best]["cfg_scores"] for seed in seeds]  # the winner's, scored when it finished
         scales = {k: float(np.mean([g[k] for g in by_seed])) for k in by_seed[0]}
         r = result[method] = {rate: best, "inside_grid": inside, "grid": _by_rate(scores), "seeds": list(seeds),
                               "runs": sum(len(d) for d in per_seed.values()),
@@ -109,21 +110,3 @@ def pick(scores: dict, incumbent):
 def _by_rate(scores: dict[float, float]) -> dict[str, float]:
     """{rate: score} with the rates as JSON keys ('0.002'), in increasing order."""
     return {f"{k:g}": v for k, v in sorted(scores.items())}
-
-
-def guidance_scores(workdir: Path, size: Protocol) -> dict[str, float]:
-    """Caption alignment of a finished run's final EMA weights at each of the size's guidance scales (n_eval
-    captions, the evaluation seed)."""
-    from reve_jax.metrics import quality
-    from reve_jax.train import sampling
-
-    r = sampling.restore_for_sampling(workdir)
-    cfg, graphdef, ema, mesh = r.cfg, r.graphdef, r.params, r.mesh
-    out = {}
-    for scale in size.cfg_scales:
-        c = config_lib.from_json(config_lib.to_json(cfg))
-        config_lib.apply_override(c, f"sample.cfg_scale={scale!r}")
-        ev = quality.Evaluator(c, graphdef, size.n_eval, size.tune_eval_seed, feature_spec=None, mesh=mesh,
-                               split=size.split)  # fmt: skip
-        out[f"{scale:g}"] = ev(ema)[PRIMARY]
-    return out
