@@ -159,6 +159,8 @@ class Runner:
                     continue
                 rec["cfg_scores"] = guidance_scores(self.out / "runs" / key, size, rec)
             self._save(key, rec)
+            if rec.get("autoencoder") is not None:  # its one-time cost, reported beside the runs that used it
+                self.autoencoders.setdefault(cfg.latent.path, rec["autoencoder"])
             self.log(f"[{key}] reused from {path}")
             return dict(rec, reused=rec.get("invocation") != self.invocation)
         return None
@@ -214,7 +216,7 @@ class Runner:
         gc.collect()  # the input pipeline's reader threads of the finished run must not compete with the next
         record.update(method=method, seed=seed, lr=cfg.optim.lr, muon_lr=cfg.optim.muon_lr,
                       cfg_scale=cfg.sample.cfg_scale, config=config_lib.to_json(cfg),
-                      invocation=self.invocation)  # fmt: skip
+                      invocation=self.invocation, autoencoder=ae)  # fmt: skip
         if tuning:
             record["cfg_scores"] = guidance_scores(workdir, size, record)
         self._save(key, record)
