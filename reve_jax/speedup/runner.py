@@ -154,21 +154,23 @@ class Runner:
             rec = json.loads(path.read_text())
             if not (same_config(rec.get("config"), cfg) and complete(rec, size.steps)):
                 continue
-            if tuning and "cfg_scores" not in rec:
+            scored = tuning and "cfg_scores" not in rec
+            if scored:
                 if not (self.out / "runs" / key / "checkpoints").is_dir():
                     continue
                 rec["cfg_scores"] = guidance_scores(self.out / "runs" / key, size, rec)
-            self._save(key, rec)
+            self._save(key, rec, only_missing=not scored)
             if rec.get("autoencoder") is not None:  # its one-time cost, reported beside the runs that used it
                 self.autoencoders.setdefault(cfg.latent.path, rec["autoencoder"])
             self.log(f"[{key}] reused from {path}")
             return dict(rec, reused=rec.get("invocation") != self.invocation)
         return None
 
-    def _save(self, key: str, rec: dict) -> None:
+    def _save(self, key: str, rec: dict, only_missing: bool = False) -> None:
+        """Writes the record to <out>/runs and the archive (`only_missing`: where it is not yet)."""
         text = json.dumps(rec)
         for d in (self.out / "runs", self.archive):
-            if d is not None:
+            if d is not None and not (only_missing and (d / f"{key}.json").exists()):
                 d.mkdir(parents=True, exist_ok=True)
                 tmp = d / f"{key}.json.tmp"
                 tmp.write_text(text)
