@@ -294,6 +294,15 @@ def test_an_archive_of_run_records_resumes_a_study_elsewhere(tmp_path, monkeypat
     assert (tmp_path / "elsewhere" / "runs" / f"{key}.json").exists()
     with pytest.raises(AssertionError, match="trained a run"):  # another rate is another run
         elsewhere.run("pixel", 0, 4e-3, evals=1, tuning=True)
+    # The size file changed under a kept name (e.g. its data): refused before training, the record left as it was.
+    changed = json.loads((archive / f"{key}.json").read_text())
+    changed["config"] = changed["config"].replace('"render": "fixed"', '"render": "jitter"')
+    assert changed["config"] != rec["config"]
+    (archive / f"{key}.json").write_text(json.dumps(changed))
+    kept = (archive / f"{key}.json").read_text()
+    with pytest.raises(runner.RunConflict, match="another --archive"):
+        runner.Runner(size, tmp_path / "third", tiny, **kwargs).run("pixel", 0, 2e-3, evals=1, tuning=True)
+    assert (archive / f"{key}.json").read_text() == kept
 
 
 def _newton_schulz_flops(shape, steps):

@@ -134,5 +134,7 @@ def main(argv=None, doc: str = __doc__):
         runner.run_benchmark(size, out, methods=methods, **kwargs)
     except runner.RunStopped as e:
         raise SystemExit(f"stopped: {e}") from None
+    except runner.RunConflict as e:
+        raise SystemExit(f"error: {e}") from None
     print((out / "speedup.md").read_text())
     print(f"wrote {out / 'speedup.md'}, {out / 'speedup.png'}")

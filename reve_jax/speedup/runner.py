@@ -116,6 +116,11 @@ class RunStopped(RuntimeError):
     """A benchmark run stopped before its budget (a signal): no record is written, a rerun resumes it."""
 
 
+class RunConflict(RuntimeError):
+    """A run's name is taken by a run of another config (its workdir, or its record in the archive): training it
+    would overwrite what was saved."""
+
+
 def complete(rec: dict, steps: int) -> bool:
     """Whether a saved run record covers its budget: it diverged or its curve reaches `steps` (a record with a
     shorter curve came from a stopped run, written so by versions before RunStopped, and is trained on)."""
@@ -166,6 +171,16 @@ class Runner:
             return dict(rec, reused=rec.get("invocation") != self.invocation)
         return None
 
+    def _check_archive(self, key: str, cfg) -> None:
+        """Refuses, before any training, a run whose name the archive holds for another config (a size file
+        changed since, e.g. its data): its record would be overwritten when the run finishes."""
+        path = self.archive / f"{key}.json" if self.archive else None
+        if path is not None and path.exists() and not same_config(json.loads(path.read_text()).get("config"), cfg):
+            raise RunConflict(
+                f"{path} is the record of run {key} under another config (has the size file changed?); finishing "
+                "this run would overwrite it: pass another --archive directory for the new config"
+            )
+
     def _save(self, key: str, rec: dict, only_missing: bool = False) -> None:
         """Writes the record to <out>/runs and the archive (`only_missing`: where it is not yet)."""
         text = json.dumps(rec)
@@ -189,12 +204,13 @@ class Runner:
         found = self._finished(key, cfg, size, tuning)
         if found is not None:
             return found
+        self._check_archive(key, cfg)
         cfg, ae = with_autoencoder(cfg, size, self.cache_dir, self.log)
         if ae is not None:
             self.autoencoders[cfg.latent.path] = ae
         workdir = self.out / "runs" / key
         if (workdir / "config.json").exists() and not same_config((workdir / "config.json").read_text(), cfg):
-            raise RuntimeError(f"{workdir} holds a run of another config: move it away or use another --out")
+            raise RunConflict(f"{workdir} holds a run of another config: move it away or use another --out")
         muon = f", muon lr {cfg.optim.muon_lr or cfg.optim.lr:g}" if cfg.optim.name == "muon" else ""
         self.log(f"[{key}] {size.steps} steps, lr {cfg.optim.lr:g}{muon}, cfg {cfg.sample.cfg_scale:g}, "
                  f"{flops.train_flops_per_image(cfg) / 1e6:.1f} MFLOP per image")  # fmt: skip
