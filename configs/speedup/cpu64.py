@@ -1,8 +1,9 @@
-"""Speedup benchmark, the resolution trend's 64 px point: cpu30's task (4 colors, 3 shapes, one object) and protocol
-at twice the resolution. The pixel models keep their token count with a larger patch (16 px patches, 768 values
-per token through the rank-32 bottleneck); baseline A diffuses the 16x16x16 latents of a 4x-down autoencoder
-(checked for its reconstructions before any run) in 2x2 patches, 64 tokens as at 32 px. Does the pixel recipe's
-ratio over the latent baseline grow with resolution, as Linum's 3.6x at 512 px suggests? Not yet run.
+"""Speedup benchmark, the resolution trend's 64 px point: cpu30's task (4 colors, 3 shapes, one object, the jittered
+rendering) and protocol at twice the resolution. The pixel models keep their token count with a larger patch (16 px
+patches, 768 values per token through the rank-32 bottleneck); baseline A diffuses the 16x16x16 latents of a 4x-down
+autoencoder (checked for its reconstructions before any run) in 2x2 patches, 64 tokens as at 32 px. Does the pixel
+recipe's ratio over the latent baseline grow with resolution, as Linum's 3.6x at 512 px suggests? Not yet run, nor
+its baseline A calibrated (whether it passes the gate in this budget and rendering).
 
     python scripts/bench_speedup.py --size cpu64 --out runs/speedup_cpu64                       # the 2x2 headline
     python scripts/bench_speedup.py --size cpu64 --out runs/sweep_cpu64 --sweep                 # every method's sweep
