@@ -305,6 +305,32 @@ def test_an_archive_of_run_records_resumes_a_study_elsewhere(tmp_path, monkeypat
     assert (archive / f"{key}.json").read_text() == kept
 
 
+def test_the_archive_keeps_the_autoencoder_its_records_used(tmp_path):
+    """Baseline A's autoencoder is copied into the archive beside the records, and from there into another
+    machine's cache instead of being trained again (a retrained one differs across CPUs); a pixel run has none."""
+    from reve_jax.latent import training as latent_training
+
+    size = _size("cpu30")
+    latent_cfg, pixel_cfg = (protocol.build_config(size, m, 0) for m in ("latent", "recipe"))
+    archive = tmp_path / "archive"
+    here = runner.Runner(size, tmp_path / "here", archive=archive, log=lambda s: None)
+    trained = latent_training.cache_path(latent_cfg, here.cache_dir)
+    trained.parent.mkdir(parents=True)
+    trained.write_bytes(b"weights")
+    here._share_autoencoder(latent_cfg, into_cache=True)  # already in the cache: nothing taken, nothing written
+    assert not archive.exists()
+    here._share_autoencoder(latent_cfg, into_cache=False)
+    assert [p.name for p in archive.iterdir()] == [trained.name] and (archive / trained.name).read_bytes() == b"weights"
+    there = runner.Runner(size, tmp_path / "there", archive=archive, log=lambda s: None)
+    there._share_autoencoder(latent_cfg, into_cache=True)
+    assert latent_training.cache_path(latent_cfg, there.cache_dir).read_bytes() == b"weights"
+    (archive / trained.name).write_bytes(b"other")  # a copy never overwrites a file already there
+    there._share_autoencoder(latent_cfg, into_cache=True)
+    assert latent_training.cache_path(latent_cfg, there.cache_dir).read_bytes() == b"weights"
+    there._share_autoencoder(pixel_cfg, into_cache=False)
+    assert [p.name for p in archive.iterdir()] == [trained.name]
+
+
 def _newton_schulz_flops(shape, steps):
     """Per orthogonalisation of a (rows, cols) matrix with m = min, n = max: X X^T (2 m^2 n), its square (2 m^3)
     and the product with X (2 m^2 n) at every iteration."""

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import platform
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -135,9 +136,9 @@ def _run_key(size: Protocol, method: str, seed: int, extra, lr: float | None = N
 
 class Runner:
     """Runs (or reuses) benchmark runs into `<out>/runs/`. `archive`: a directory of finished runs' records (their
-    JSON, no weights or images) kept apart from `out`, e.g. committed to the repository: a run found there is
-    reused (and its autoencoder not trained), and every run finished here is copied there, so a study spread over
-    machines and sessions resumes where the archive stands."""
+    JSON, no weights or images) and of the autoencoder they used, kept apart from `out`, e.g. committed to the
+    repository: a run found there is reused (and its autoencoder not trained), every run finished here is copied
+    there, so a study spread over machines and sessions resumes where the archive stands."""
 
     def __init__(self, size: Protocol, out: Path, extra=(), cache_dir=None, evaluator_kwargs=None, log=print,
                  archive=None):  # fmt: skip
@@ -181,6 +182,21 @@ class Runner:
                 "this run would overwrite it: pass another --archive directory for the new config"
             )
 
+    def _share_autoencoder(self, cfg, into_cache: bool) -> None:
+        """The archive keeps the autoencoder its records used (its file, a few hundred KB, named by the hash of its
+        settings): `into_cache`, one missing from the cache directory is copied there from the archive instead of
+        trained again (on another CPU it would come out slightly different); else one the archive lacks is copied
+        there from the cache."""
+        if not (self.archive and cfg.latent.path):
+            return
+        cached = latent_training.cache_path(cfg, self.cache_dir)
+        src, dst = (self.archive / cached.name, cached) if into_cache else (cached, self.archive / cached.name)
+        if src.exists() and not dst.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dst.with_name(dst.name + ".tmp")
+            shutil.copyfile(src, tmp)
+            tmp.replace(dst)
+
     def _save(self, key: str, rec: dict, only_missing: bool = False) -> None:
         """Writes the record to <out>/runs and the archive (`only_missing`: where it is not yet)."""
         text = json.dumps(rec)
@@ -205,7 +221,9 @@ class Runner:
         if found is not None:
             return found
         self._check_archive(key, cfg)
+        self._share_autoencoder(cfg, into_cache=True)
         cfg, ae = with_autoencoder(cfg, size, self.cache_dir, self.log)
+        self._share_autoencoder(cfg, into_cache=False)
         if ae is not None:
             self.autoencoders[cfg.latent.path] = ae
         workdir = self.out / "runs" / key
