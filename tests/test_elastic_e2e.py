@@ -300,6 +300,37 @@ def test_in_process_recovery_keeps_the_survivors(tmp_path, launched):
     assert final["step"] == 40 and final["w"] == pytest.approx(fake_w(40), rel=1e-12)
 
 
+def test_in_process_survivors_agree_after_a_one_sided_collective_timeout(tmp_path, launched):
+    """A collective that ends on one side only (seen once: under CPU starvation a gloo send timed out after the
+    peer had completed the all-reduce). On attempt 0 process 0's side of step 12 fails while local1 completes it
+    and trains a step ahead; on attempt 1 local1's side of the last step fails while process 0 finishes. Each time
+    the two must meet in one recovery and agree on the last step both completed; nobody was lost, and a
+    communicator over the same processes cannot be rebuilt in-process, so both exit for a relaunch that strikes
+    no host. Before inprocess.Agreement the first left them a step apart and the second in different barriers
+    until the supervisor's progress timeout (60 s) fenced the group."""
+    wd = str(tmp_path / "run")
+    one_sided = "--worker-arg=--fake.one_sided=local0:0:12,local1:1:30"
+    args = fake_args(30, 5, "--no-readmit", "--in-process-recovery", "--collective-timeout", "5", one_sided)
+    run = launched(wd, 2, args)
+    assert run.wait(150) == 0, run.output()
+    failures = events(wd, "failure")
+    assert [f["reason"] for f in failures] == ["every process exited with an error"] * 2, failures
+    assert all(f["hosts"] == [] for f in failures) and not events(wd, "quarantine")  # no host blamed
+    assert len(events(wd, "launch")) == 3
+    logs = {}
+    for attempt, host in [(0, "local0"), (0, "local1"), (1, "local0"), (1, "local1")]:
+        with open(os.path.join(wd, "logs", f"attempt{attempt}_{host}.log")) as f:
+            logs[attempt, host] = f.read()
+    assert "rolled back to step 11" in logs[0, "local1"] and "regroup" in logs[0, "local0"]  # local1 was ahead
+    assert "rolled back to step 29" in logs[1, "local0"] and "regroup" in logs[1, "local1"]  # local0 had finished
+    with open(os.path.join(wd, "fake_ckpt.json")) as f:
+        final = json.load(f)
+    assert final["step"] == 30 and final["w"] == pytest.approx(fake_w(30), rel=1e-12)
+    with open(os.path.join(wd, "metrics.jsonl")) as f:
+        steps = [json.loads(line)["step"] for line in f if line.strip()]
+    assert steps == list(range(1, 31))  # each step logged once: no step lost or redone
+
+
 # ------------------------------------------------------------------------------------- the real trainer
 TINY = [
     "--config.model.depth=1", "--config.model.width=32", "--config.model.heads=2", "--config.text.width=32",

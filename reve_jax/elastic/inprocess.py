@@ -28,6 +28,7 @@ has, so `trainer.run` refuses to start under the flag (`require_trainer_support`
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 IN_PROCESS_ENV = "REVE_IN_PROCESS"
@@ -71,6 +72,110 @@ def live_devices(devices=None) -> list:
         raise InProcessUnsupported(f"jax {jax.__version__} has no live_devices")
     with fn(list(devices if devices is not None else jax.devices())) as alive:
         return list(alive)
+
+
+KEY_PREFIX = "reve_jax/inprocess"
+
+
+class Regroup(RuntimeError):
+    """A collective failed but no process of the group was lost (a timeout on one side, or every side, of a
+    collective among live peers). Its communicator is then broken on at least one side, and this JAX rebuilds
+    none over the same processes (gloo: "Application timeout caused pair closure" on every later collective;
+    a communicator is set up once per device set): the group must be relaunched. Every survivor raises it after
+    the same agreement, so they exit together; the supervisor relaunches a group whose processes all exited with
+    an error without striking any host. `step` is the last step every process completed."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """One in-process recovery's outcome, the same on every survivor."""
+
+    devices: list  # the live devices, in device-id order
+    step: int  # the last step every survivor completed: a process ahead of it rolls back to it
+    lost: list[int]  # the group's processes that are gone
+
+
+class Agreement:
+    """Where the survivors go on from, agreed through the coordination service (process 0's, which outlives every
+    in-process recovery: its loss ends the group).
+
+    A collective can end on one side only: under CPU starvation a peer's gloo send timed out after the other side
+    had received it and completed the all-reduce (seen once on a 2-core VM, docs/elastic.md). The side that failed
+    recovers; the side that completed is a step ahead, and either trains on (its next collective fails too, after
+    the timeout, since its peer is recovering) or has finished and is leaving. So that both end up in the same
+    recovery at the same step:
+    - `recover(step, devices)`, entered with the number of steps this process completed and the group's devices,
+      marks a recovery of this round (a key per process), meets the other survivors in `live_devices`, publishes
+      its step and reads theirs. It returns a `Round`: the live devices, the smallest step (the last one every
+      survivor completed; a process ahead, by one step at most, rolls back to it, as a relaunch would roll back
+      to its snapshot) and the processes lost. With none lost it raises `Regroup` instead, on every survivor.
+    - `finish(step)`, called when the loop is done, publishes the final step and waits until every live process
+      has finished (True: leave) or a peer marked a recovery of this round (False: the caller joins it).
+    Every survivor goes through each round, so the round counters agree without being sent.
+    """
+
+    def __init__(self, process_id: int, num_processes: int, timeout_s: float = 60.0, client=None):
+        if client is None:
+            from jax._src.distributed import global_state
+
+            client = global_state.client
+        if client is None:
+            raise InProcessUnsupported("in-process recovery needs jax.distributed to be initialized first")
+        self.client = client
+        self.process_id, self.num_processes = process_id, num_processes
+        self.timeout_ms = int(timeout_s * 1000)
+        self.round = 0
+
+    def _key(self, *parts) -> str:
+        return "/".join([KEY_PREFIX, str(self.round), *map(str, parts)])
+
+    def recover(self, step: int, devices) -> Round:
+        """Returns the `Round` every survivor agrees on; raises `Regroup` (on every survivor) when no process of
+        `devices` was lost. See the class docstring."""
+        devices = list(devices)
+        self.client.key_value_set(self._key("recovering", self.process_id), str(step))
+        alive = live_devices(devices)
+        procs = sorted({d.process_index for d in alive})
+        self.client.key_value_set(self._key("step", self.process_id), str(step))
+        steps = {p: int(self.client.blocking_key_value_get(self._key("step", p), self.timeout_ms)) for p in procs}
+        self.round += 1
+        agreed = min(steps.values())
+        if max(steps.values()) - agreed > 1:
+            raise RuntimeError(f"in-process recovery: the survivors completed steps {steps}, more than one apart")
+        lost = sorted({d.process_index for d in devices} - set(procs))
+        if not lost:
+            raise Regroup(
+                f"a collective failed with every process of the group alive (steps completed: {steps}); its "
+                f"communicator cannot be rebuilt in-process, so the group exits for a relaunch from step {agreed}",
+                agreed,
+            )
+        return Round(alive, agreed, lost)
+
+    def finish(self, step: int, poll_s: float = 0.02) -> bool:
+        """True once every live process finished at `step`; False as soon as a peer marked a recovery of this
+        round (the caller joins it). Raises when the live processes finished at different steps or the wait
+        passes the timeout."""
+        import time
+
+        self.client.key_value_set(self._key("finished", self.process_id), str(step))
+        deadline = time.monotonic() + self.timeout_ms / 1000
+        everyone = list(range(self.num_processes))
+        while True:
+            if self.client.key_value_dir_get(self._key("recovering")):
+                return False
+            done = {int(k.rpartition("/")[2]): int(v) for k, v in self.client.key_value_dir_get(self._key("finished"))}
+            live = set(self.client.get_live_nodes(everyone))
+            if live <= done.keys():
+                if {done[p] for p in live} != {step}:
+                    raise RuntimeError(f"in-process group finished at different steps: {done}")
+                return True
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"in-process group: processes {sorted(live - done.keys())} did not finish")
+            time.sleep(poll_s)
 
 
 def leave(process_id: int, num_processes: int, timeout_s: float = 60.0) -> None:
