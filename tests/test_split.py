@@ -53,8 +53,8 @@ def test_the_readme_run_never_reads_a_heldout_composition():
     cfg = load_config("configs/tiny.py", [])
     held = _held(cfg)
     ds = pipeline.dataset_from_config(cfg.data)
-    indices = _train_indices(cfg, cfg.train.steps)  # the whole run: 6,000 steps of 8
-    assert len(indices) == cfg.train.steps * cfg.train.global_batch == 48_000
+    indices = _train_indices(cfg, cfg.train.steps)  # the whole run: 8,000 steps of 8
+    assert len(indices) == cfg.train.steps * cfg.train.global_batch == 64_000
     scenes = [ds.scene(int(i)) for i in indices]
     assert not any(held.in_scene(s) for s in scenes)
     # Every color, shape and cell is still trained on, and so is every trained color-shape pair.
