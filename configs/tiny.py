@@ -14,13 +14,15 @@ out, measured: REPA to the project's feature network (a 40% slower step for +0.0
 The data is what a 10-minute run can learn: one object per image, rendered `fixed` (centered in its cell at one of
 two exact sizes, upright, on a flat background; `jitter` varies all of these; at these settings its shapes
 stay at chance, 0.27 exact on unseen captions).
-Batch 8 for 6,000 steps: shape (the last attribute a run binds) comes with updates more than with samples, and a
+Batch 8 (chosen at 6,000 steps): shape (the last attribute a run binds) comes with updates more than with samples, and a
 batch-8 step costs a third of a batch-32 one on 2 cores, so the same 10 minutes buy 3x the updates (unseen exact 0.68
 -> 0.78 on seed 1 at guidance 2). Guidance 1.5: at 2 about 5% of the objects vanish at this batch, at 3 half of them;
 1.0 draws every object but the shape less often. Chosen on seed 1 (unseen exact 0.82 at 6,000 steps), measured on
 seed 0: unseen exact 0.70 [0.66, 0.73], seen 0.89, against 0.57 and 0.84 at batch 32 (docs/tiny.md, fifth round).
 8,000 steps, not 6,000: the run is still binding shape at 6,000 (seed 1, 256 unseen captions: 0.72 at 6,000, 0.79
-at 7,000, 0.82 at 8,000) and the 2-core Intel Xeon VM runs 8,000 in 445 s (docs/tiny.md, ninth round).
+at 7,000, 0.82 at 8,000) and the 2-core Intel Xeon VM runs 8,000 in 445 s. Measured on seeds 0, 2 and 3: unseen
+exact 0.85 [0.82, 0.89], 0.82 [0.78, 0.85], 0.84 [0.81, 0.87] (512 captions), seen 0.98 (docs/tiny.md, ninth round).
+The numbers below are at 6,000 steps.
 
 The caption reaches the DiT as its word embeddings (plus their positions), with no transformer block over the words
 (`text.depth` 0): the image tokens attend to each word apart. With one block the words mixed before the image saw
