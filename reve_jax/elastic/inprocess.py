@@ -129,6 +129,7 @@ class Agreement:
         self.process_id, self.num_processes = process_id, num_processes
         self.timeout_ms = int(timeout_s * 1000)
         self.round = 0
+        self.members = set(range(num_processes))  # the group's processes since the last round
 
     def _key(self, *parts) -> str:
         return "/".join([KEY_PREFIX, str(self.round), *map(str, parts)])
@@ -140,6 +141,7 @@ class Agreement:
         self.client.key_value_set(self._key("recovering", self.process_id), str(step))
         alive = live_devices(devices)
         procs = sorted({d.process_index for d in alive})
+        self.members = set(procs)
         self.client.key_value_set(self._key("step", self.process_id), str(step))
         steps = {p: int(self.client.blocking_key_value_get(self._key("step", p), self.timeout_ms)) for p in procs}
         self.round += 1
@@ -156,25 +158,25 @@ class Agreement:
         return Round(alive, agreed, lost)
 
     def finish(self, step: int, poll_s: float = 0.02) -> bool:
-        """True once every live process finished at `step`; False as soon as a peer marked a recovery of this
-        round (the caller joins it). Raises when the live processes finished at different steps or the wait
-        passes the timeout."""
+        """True once every process of the group finished at `step`; False as soon as a peer marked a recovery of
+        this round (the caller joins it). Raises when they finished at different steps or the wait passes the
+        timeout (a peer that died after the last step: the supervisor relaunches, and the relaunch finds the run
+        done). Polls keys only: `get_live_nodes` is a barrier among the processes it names (it is what makes
+        `live_devices` one), so calling it in a loop would pair one process's calls with another's barrier."""
         import time
 
         self.client.key_value_set(self._key("finished", self.process_id), str(step))
         deadline = time.monotonic() + self.timeout_ms / 1000
-        everyone = list(range(self.num_processes))
         while True:
             if self.client.key_value_dir_get(self._key("recovering")):
                 return False
             done = {int(k.rpartition("/")[2]): int(v) for k, v in self.client.key_value_dir_get(self._key("finished"))}
-            live = set(self.client.get_live_nodes(everyone))
-            if live <= done.keys():
-                if {done[p] for p in live} != {step}:
+            if self.members <= done.keys():
+                if {done[p] for p in self.members} != {step}:
                     raise RuntimeError(f"in-process group finished at different steps: {done}")
                 return True
             if time.monotonic() > deadline:
-                raise TimeoutError(f"in-process group: processes {sorted(live - done.keys())} did not finish")
+                raise TimeoutError(f"in-process group: processes {sorted(self.members - done.keys())} did not finish")
             time.sleep(poll_s)
 
 
