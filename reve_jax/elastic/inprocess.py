@@ -96,7 +96,6 @@ class Round:
 
     devices: list  # the live devices, in device-id order
     step: int  # the last step every survivor completed: a process ahead of it rolls back to it
-    lost: list[int]  # the group's processes that are gone
 
 
 class Agreement:
@@ -112,9 +111,9 @@ class Agreement:
       marks a recovery of this round (a key per process), meets the other survivors in `live_devices`, publishes
       its step and reads theirs. It returns a `Round`: the live devices, the smallest step (the last one every
       survivor completed; a process ahead, by one step at most, rolls back to it, as a relaunch would roll back
-      to its snapshot) and the processes lost. With none lost it raises `Regroup` instead, on every survivor.
-    - `finish(step)`, called when the loop is done, publishes the final step and waits until every live process
-      has finished (True: leave) or a peer marked a recovery of this round (False: the caller joins it).
+      to its snapshot). With no process lost it raises `Regroup` instead, on every survivor.
+    - `finish(step)`, called when the loop is done, publishes the final step and waits until every process of the
+      group has finished (True: leave) or a peer marked a recovery of this round (False: the caller joins it).
     Every survivor goes through each round, so the round counters agree without being sent.
     """
 
@@ -126,7 +125,7 @@ class Agreement:
         if client is None:
             raise InProcessUnsupported("in-process recovery needs jax.distributed to be initialized first")
         self.client = client
-        self.process_id, self.num_processes = process_id, num_processes
+        self.process_id = process_id
         self.timeout_ms = int(timeout_s * 1000)
         self.round = 0
         self.members = set(range(num_processes))  # the group's processes since the last round
@@ -148,14 +147,13 @@ class Agreement:
         agreed = min(steps.values())
         if max(steps.values()) - agreed > 1:
             raise RuntimeError(f"in-process recovery: the survivors completed steps {steps}, more than one apart")
-        lost = sorted({d.process_index for d in devices} - set(procs))
-        if not lost:
+        if {d.process_index for d in devices} <= self.members:
             raise Regroup(
                 f"a collective failed with every process of the group alive (steps completed: {steps}); its "
                 f"communicator cannot be rebuilt in-process, so the group exits for a relaunch from step {agreed}",
                 agreed,
             )
-        return Round(alive, agreed, lost)
+        return Round(alive, agreed)
 
     def finish(self, step: int, poll_s: float = 0.02) -> bool:
         """True once every process of the group finished at `step`; False as soon as a peer marked a recovery of
