@@ -9,6 +9,7 @@ steps, samples, FLOPs, wall clock and CPU seconds to reach the baseline's final 
     python scripts/bench_speedup.py --size gpu --out runs/speedup_gpu                 # sized for ~8 minutes on one H200
     python scripts/bench_speedup.py --size gpu --quick --out runs/gpu_chk             # the gpu size's code path, shrunk
     python scripts/bench_speedup.py --rescore --out runs/speedup_cpu                  # alignment again from the images
+    python scripts/bench_speedup.py --trend runs/speedup_cpu30 runs/speedup_cpu64     # the ratio against resolution
 
 A size is a config file, configs/speedup/<size>.py (or give a path). Writes <out>/speedup.md (tables with bootstrap
 intervals over seeds), <out>/speedup.png (quality against wall clock and steps), <out>/results.json and one trainer

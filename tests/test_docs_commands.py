@@ -80,6 +80,7 @@ QUICK = {
     "scripts/bench_host.py": Quick(),
     "scripts/bench_speedup.py": Quick(),
     "scripts/bench_speedup.py --rescore": Quick(inputs=("--out",)),
+    "scripts/bench_speedup.py --trend": Quick(inputs=("--trend", "")),
     "scripts/launch.py": PARSE,  # supervises training processes on hosts or a SLURM allocation
     "scripts/bench_recovery.py": PARSE,  # a 4-host elastic run with a kill: a minute or more
     "scripts/bench_snapshot.py": Quick(),  # 4-host runs with and without snapshots: minutes

@@ -1,22 +1,19 @@
 """The speedup benchmark: the JIT-DDT recipe against a latent DiT (Linum's comparison) and the other baselines, in
-steps, samples, executed FLOPs, wall clock and CPU seconds to reach the baseline's final quality (docs/speedup.md).
+steps, samples, executed FLOPs, wall clock and CPU seconds to reach the baseline's plateau (docs/speedup.md).
 
 A size is a config file (configs/speedup/<size>.py) holding its PROTOCOL, the LR and guidance scale frozen per
-method by the sweep (FROZEN), and `get_config(method)`. The protocol:
+method by the sweeps (FROZEN), and `get_config(method)`. The protocol, in short:
 
-- every method trains the same budget (steps of the same batch) with a cosine LR decayed to 0, on >= 3 seeds; a
-  seed sets the model's initialisation, the noise and the data (data.seed), and methods are paired within a seed;
-- each run is a trainer run (`trainer.run`) with the evaluation hook (metrics/hook.py) in its own workdir under
-  `<out>/runs/<key>/`: it checkpoints at every evaluation, so a killed benchmark resumes; its EMA weights are
-  evaluated every `steps / evals` steps on `n_eval` held-out captions (fixed noise, sampler and guidance) and at
-  the end on `n_final`; the train clock excludes compilation, evaluation and checkpoint writes;
-- time to target (speedup/target.py): the first crossing of the seed's baseline final value, interpolated between
-  evaluations and sustained over two; censored at the budget (">"); the baseline's time is its full budget;
-- a latent baseline's autoencoder is trained once per size (cached; its cost reported apart) and its
-  reconstructions must score >= `min_recon_align` caption alignment before any run starts;
-- the validity gate: a baseline whose final alignment is below `gate_final`, or that gained less than
-  `gate_gain` over its first evaluation, gives "no speedup measurable" instead of ratios.
-
-`sweep` runs the LR grid (and then the guidance scales) of each method on the first seed and says what to freeze;
-`run_benchmark` runs the comparison. Finished runs are stored as JSON under `<out>/runs/` and reused.
+- the headline is a 2x2, {latent DiT, JIT-DDT recipe} x {AdamW, Muon}, on >= 5 fresh seeds; every method trains
+  the same budget with a cosine LR decayed to 0; a seed sets the initialisation, the noise and the data, and
+  methods are paired within a seed (runner.py);
+- the sweeps (sweeps.py) run on the size's tuning seeds with their own evaluation noise, the same grid and
+  guidance scales for every method and each rate of a Muon arm; nothing chosen on a seed is reported on it;
+- every evaluation scores the EMA weights on captions of unseen compositions (never in the training stream);
+- the target is each seed's baseline plateau (the mean of its last evaluations); every method, the baseline too,
+  is timed by one crossing rule (target.py); a run that never reaches it, or diverges, is censored at the budget;
+- the gate is per seed; fewer than 3 passing seeds give "no speedup measurable"; intervals resample seeds and
+  captions from 5 seeds, else the report prints the range (analysis.py);
+- one-time costs (the autoencoder, REPA's target network) in their own table, and wall clock only between runs
+  of one invocation (report.py); the ratio against resolution across sizes (trend.py).
 """

@@ -8,7 +8,7 @@ import platform
 from pathlib import Path
 
 from reve_jax import cli, config, xla
-from reve_jax.speedup import protocol, runner, sweeps
+from reve_jax.speedup import protocol, runner, sweeps, trend
 
 SIZES = Path(__file__).resolve().parents[2] / "configs" / "speedup"
 
@@ -79,8 +79,26 @@ def main(argv=None, doc: str = __doc__):
         "reused, runs finished here are copied there (docs/speedup.md, 'Across machines')",
     )
     p.add_argument("--rescore", action="store_true", help="recompute alignment of a finished --out from its images")
+    p.add_argument(
+        "--trend",
+        nargs="+",
+        metavar="OUT",
+        help="the trend with resolution: the --out directories of finished headlines at different image sizes "
+        "(trend.md, trend.json and trend.png into --out, default runs/speedup_trend)",
+    )
     p.add_argument("--dry-run", action="store_true", help="check the size, the run configs and the mesh, then exit")
     args, overrides = cli.parse_args(p, argv)
+    if args.trend:
+        out = Path(args.out or "runs/speedup_trend")
+        try:
+            if args.dry_run:
+                cli.dry_run_exit(trend.check(args.trend, out))
+            trend.write(args.trend, out)
+        except trend.TrendError as e:
+            raise SystemExit(f"error: {e}") from None
+        print((out / "trend.md").read_text())
+        print(f"wrote {out / 'trend.md'}, {out / 'trend.png'}")
+        return
     args.config = args.config or str(size_path(args.size))
     args.out = args.out or f"runs/speedup_{Path(args.config).stem}"
     if args.rescore:

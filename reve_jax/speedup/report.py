@@ -59,7 +59,7 @@ def machines_line(runs: list[dict]) -> str:
     return line
 
 
-def _interval(center: float, lo: float, hi: float, kind: str, fmt: str = "{:.2f}", unit: str = "") -> str:
+def interval_text(center: float, lo: float, hi: float, kind: str, fmt: str = "{:.2f}", unit: str = "") -> str:
     """'2.10x [1.85x, 2.40x]' for a 95% interval, '2.10x (range 1.85x-2.40x)' for the range of fewer seeds."""
     if not math.isfinite(center):
         return "-"
@@ -103,7 +103,7 @@ def markdown_table(results: dict) -> str:
                   + " |", "|---" * (2 + len(costs)) + "|"]  # fmt: skip
         for m in _order(rows, baseline):
             r = rows[m]
-            cells = ["<=" * r["upper_bound"] + _interval(*r["speedup"][k], r["interval"], unit="x") for k in costs]
+            cells = ["<=" * r["upper_bound"] + interval_text(*r["speedup"][k], r["interval"], unit="x") for k in costs]
             lines.append(f"| {label(m)} | {r['reached']}/{r['seeds']} | " + " | ".join(cells) + " |")
         lines += one_time_lines(results, rows, baseline, reused)
         seeds = [p["seed"] for p in rows[baseline]["per_seed"]] if baseline in rows else []
@@ -127,7 +127,7 @@ def markdown_table(results: dict) -> str:
                   "| method | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]  # fmt: skip
         for m in _order(finals, baseline):
             f = finals[m]
-            cells = [_interval(f[c]["mean"], f[c]["lo"], f[c]["hi"], f[c]["interval"], "{:.4f}") if c in f else "-"
+            cells = [interval_text(f[c]["mean"], f[c]["lo"], f[c]["hi"], f[c]["interval"], "{:.4f}") if c in f else "-"
                      for c in cols]  # fmt: skip
             lines.append(f"| {label(m)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n" + attribute_table(results)
