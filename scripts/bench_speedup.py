@@ -14,8 +14,8 @@ steps, samples, FLOPs, wall clock and CPU seconds to reach the baseline's final 
 A size is a config file, configs/speedup/<size>.py (or give a path). Writes <out>/speedup.md (tables with bootstrap
 intervals over seeds), <out>/speedup.png (quality against wall clock and steps), <out>/results.json and one trainer
 workdir and JSON per run in <out>/runs/ (a killed benchmark resumes; finished runs are reused). The sweep writes
-<out>/sweep.json and says what to freeze in the size file. Overrides for every run: --config.a.b=v. See
-reve_jax/speedup/ and docs/speedup.md.
+<out>/sweep.json, <out>/sweep.md (every sweep run in one table) and says what to freeze in the size file.
+Overrides for every run: --config.a.b=v. See reve_jax/speedup/ and docs/speedup.md.
 """
 
 from reve_jax.speedup.cli import main

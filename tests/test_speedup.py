@@ -426,6 +426,12 @@ def test_a_sweep_over_two_seeds_scores_each_rate_by_its_mean(tmp_path, monkeypat
     assert sorted(trained) == sorted((s, lr) for s in (0, 1) for lr in size.sweep_lrs)
     assert two["grid"]["0.002"] == pytest.approx(0.81) and two["per_seed"][1]["0.008"] == 0.45
     assert two["cfg_scores"] == pytest.approx({"1.5": 0.75, "3": 0.65}) and two["cfg_scale"] == 1.5
+    # sweep.md: every run of the sweep in one table, the winners in bold
+    md = (tmp_path / "two" / "sweep.md").read_text().splitlines()
+    assert md[0] == "| method | rate | value | seed 0 | seed 1 | mean | runs |"
+    assert "| latent | lr | 0.001 | 0.500 | 0.600 | 0.550 | 8 |" in md
+    assert "| latent | lr | **0.002** | 0.820 | 0.800 | **0.810** |  |" in md
+    assert "| latent | guidance (at lr 0.002) | 1.5 |  |  | **0.750** |  |" in md
 
 
 def test_a_sweep_keeps_the_frozen_rate_and_guidance_on_an_exact_tie(tmp_path, monkeypatch):

@@ -73,7 +73,35 @@ def sweep(
         saved = json.loads(path.read_text()) if path.exists() else {}
         saved.update({(m if rate == "lr" else f"{m}@{rate}"): r for m, r in result.items()})
         path.write_text(json.dumps(saved, indent=1))
+        (out / "sweep.md").write_text(markdown(saved))
     return result
+
+
+def markdown(saved: dict) -> str:
+    """Every sweep of sweep.json in one table (issue 45: each method's sweep runs side by side): a row per method,
+    rate group and value, each tuning seed's final alignment and their mean, the winner in bold (flagged when at
+    the grid's edge after the last extension), then the guidance scales on the winner (mean over the seeds)."""
+    seeds = sorted({int(s) for r in saved.values() for s in r["per_seed"]})
+
+    def bold(text: str, yes: bool) -> str:
+        return f"**{text}**" if yes else text
+
+    lines = ["| method | rate | value | " + " | ".join(f"seed {s}" for s in seeds) + " | mean | runs |",
+             "|---" * (len(seeds) + 5) + "|"]  # fmt: skip
+    for name, r in saved.items():
+        method, _, rate = name.partition("@")
+        rate = rate or "lr"
+        per_seed = {int(s): v for s, v in r["per_seed"].items()}
+        for i, (value, mean) in enumerate(r["grid"].items()):
+            win = float(value) == r[rate]
+            cells = [f"{per_seed[s][value]:.3f}" if value in per_seed.get(s, {}) else "-" for s in seeds]
+            edge = " (at the grid's edge)" if win and not r["inside_grid"] else ""
+            row = [method, rate, bold(value, win) + edge, *cells, bold(f"{mean:.3f}", win), str(r["runs"]) * (i == 0)]
+            lines.append("| " + " | ".join(row) + " |")
+        for scale, mean in r["cfg_scores"].items():
+            row = [method, f"guidance (at {rate} {r[rate]:g})", scale, *([""] * len(seeds))]
+            lines.append("| " + " | ".join([*row, bold(f"{mean:.3f}", float(scale) == r["cfg_scale"]), ""]) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def sweep_all(size: Protocol, out_dir, methods, *, extra=(), log: Callable[[str], None] = print, **kwargs) -> dict:
