@@ -110,3 +110,20 @@ def test_one_time_costs_are_reported_apart_and_amortized_and_reused_runs_drop_th
     res["runs"][0]["reused"] = True
     md = report.markdown_table(res)
     assert "compared in steps and FLOPs only" in md and "speedup wall s" not in md
+
+
+def test_the_repa_target_network_is_checked_in_apart_from_the_metrics(tmp_path, monkeypatch):
+    """Every machine aligns to the same REPA target: TRAINING_SPEC's weights come from the repository, never
+    trained again (a retrained one differs on another CPU), and they are not the metrics' network."""
+
+    def no_training(spec):
+        raise AssertionError(f"trained {spec} although its weights are checked in")
+
+    monkeypatch.setattr(shapes, "train_feature_net", no_training)
+    model, info = shapes.get_feature_net(shapes.TRAINING_SPEC, cache_dir=tmp_path)
+    assert not list(tmp_path.iterdir())
+    assert info["test_accuracy"]["position"] >= 0.95 and info["test_accuracy"]["shape"] >= 0.9
+    metrics, _ = shapes.get_feature_net(shapes.DEFAULT_SPEC, cache_dir=tmp_path)
+    x = np.asarray(jax.random.uniform(jax.random.key(0), (4, 32, 32, 3), minval=-1, maxval=1))
+    a, b = shapes.make_feature_fn(model)(x), shapes.make_feature_fn(metrics)(x)
+    assert a.shape == b.shape and not np.allclose(a, b, atol=1e-2)

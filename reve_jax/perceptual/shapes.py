@@ -87,7 +87,8 @@ class FeatureSpec:
 DEFAULT_SPEC = FeatureSpec()  # the metrics' network (KID, the Fréchet distance): checked in
 # The network the loss terms read (REPA's target, the dino term's "features" target): trained apart from the metrics'
 # (its own seed, images and a shorter schedule), so that no training objective optimises the space KID measures in.
-# Trained on first use and cached (its training time is a one-time cost the speedup benchmark reports).
+# Checked in (`build_shapes --spec training`) so that every machine aligns to the same target; where the file is
+# missing, trained on first use and cached (its training time is a one-time cost the speedup benchmark reports).
 TRAINING_SPEC = FeatureSpec(seed=1, data_seed=104729, steps=4000)
 
 
