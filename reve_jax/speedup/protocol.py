@@ -119,10 +119,15 @@ def _read_keys(cfg_json: str) -> dict:
     return d
 
 
-def same_config(saved: str | None, cfg) -> bool:
+def same_config(saved: str | None, cfg, *, any_guidance: bool = False) -> bool:
     """Whether a finished run's saved config (JSON) is `cfg`'s; keys added to the config since it ran are read at
     the value it ran under (config.ADDED_KEYS), so a new option does not invalidate finished runs, and keys the run
-    never read do not count (`_read_keys`: an AdamW run does not depend on Muon's rate)."""
+    never read do not count (`_read_keys`: an AdamW run does not depend on Muon's rate). `any_guidance`: the
+    sampler's guidance scale does not count either (a sweep run's record, scored at every scale of the size: its
+    training never reads the scale, so freezing another one keeps it)."""
     if saved is None:
         return False
-    return _read_keys(config_lib.to_json(config_lib.from_json(saved))) == _read_keys(config_lib.to_json(cfg))
+    a, b = _read_keys(config_lib.to_json(config_lib.from_json(saved))), _read_keys(config_lib.to_json(cfg))
+    if any_guidance:
+        a["sample"].pop("cfg_scale"), b["sample"].pop("cfg_scale")
+    return a == b

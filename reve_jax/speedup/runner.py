@@ -153,12 +153,15 @@ class Runner:
     def _finished(self, key: str, cfg, size: Protocol, tuning: bool) -> dict | None:
         """The finished record of run `key` with `cfg`, from <out>/runs or the archive (copied to <out>/runs), or
         None. A sweep's run counts as finished once it has its guidance scores (older records get them here from
-        their weights when these are still in <out>/runs)."""
+        their weights when these are still in <out>/runs); it is reused whatever the guidance scale frozen since,
+        when its scores hold that scale (the sweep reads its score at that scale: sweep_score)."""
         for path in (self.out / "runs" / f"{key}.json", *([self.archive / f"{key}.json"] if self.archive else [])):
             if not path.exists():
                 continue
             rec = json.loads(path.read_text())
-            if not (same_config(rec.get("config"), cfg) and complete(rec, size.steps)):
+            scales = rec.get("cfg_scores", {}) if tuning else {}  # a sweep's record, scored at every scale
+            same = same_config(rec.get("config"), cfg, any_guidance=f"{cfg.sample.cfg_scale:g}" in scales)
+            if not (same and complete(rec, size.steps)):
                 continue
             scored = tuning and "cfg_scores" not in rec
             if scored:
@@ -172,11 +175,12 @@ class Runner:
             return dict(rec, reused=rec.get("invocation") != self.invocation)
         return None
 
-    def _check_archive(self, key: str, cfg) -> None:
+    def _check_archive(self, key: str, cfg, tuning: bool) -> None:
         """Refuses, before any training, a run whose name the archive holds for another config (a size file
         changed since, e.g. its data): its record would be overwritten when the run finishes."""
         path = self.archive / f"{key}.json" if self.archive else None
-        if path is not None and path.exists() and not same_config(json.loads(path.read_text()).get("config"), cfg):
+        if path is not None and path.exists() and not same_config(json.loads(path.read_text()).get("config"), cfg,
+                                                                  any_guidance=tuning):  # fmt: skip
             raise RunConflict(
                 f"{path} is the record of run {key} under another config (has the size file changed?); finishing "
                 "this run would overwrite it: pass another --archive directory for the new config"
@@ -220,7 +224,7 @@ class Runner:
         found = self._finished(key, cfg, size, tuning)
         if found is not None:
             return found
-        self._check_archive(key, cfg)
+        self._check_archive(key, cfg, tuning)
         self._share_autoencoder(cfg, into_cache=True)
         cfg, ae = with_autoencoder(cfg, size, self.cache_dir, self.log)
         self._share_autoencoder(cfg, into_cache=False)

@@ -49,7 +49,7 @@ def sweep(
                 for seed in seeds:
                     if lr not in per_seed[seed]:
                         rec = records[seed, lr] = runner.run(method, seed, lr, evals=1, rate=rate, tuning=True)
-                        per_seed[seed][lr] = rec["curve"][-1][PRIMARY] if rec["curve"] else float("-inf")
+                        per_seed[seed][lr] = sweep_score(rec, frozen.sample.cfg_scale)
             scores = {lr: float(np.mean([per_seed[seed][lr] for seed in seeds])) for lr in per_seed[seeds[0]]}
             best = pick(scores, getattr(frozen.optim, rate))
             lrs = sorted(scores)
@@ -124,6 +124,17 @@ def sweep_all(size: Protocol, out_dir, methods, *, extra=(), log: Callable[[str]
             f"({row['runs']} runs)"
         )
     return result
+
+
+def sweep_score(rec: dict, cfg_scale: float) -> float:
+    """A sweep run's final alignment at the guidance scale `cfg_scale` (the method's frozen one): its last
+    evaluation's when it ran at that scale, else its score there among those at every scale of the size (the same
+    weights, captions and noise); -inf for a run without one (diverged)."""
+    if rec.get("diverged") or not rec["curve"]:
+        return float("-inf")
+    if rec.get("cfg_scale", cfg_scale) != cfg_scale:
+        return float(rec["cfg_scores"][f"{cfg_scale:g}"])
+    return rec["curve"][-1][PRIMARY]
 
 
 def pick(scores: dict, incumbent):
