@@ -70,6 +70,10 @@ def test_the_trend_command_writes_its_table_and_plot_and_refuses_mixed_baselines
     c = _write(tmp_path, "c", _results(64, [3.0, 3.0, 3.0], baseline="pixel"))
     with pytest.raises(SystemExit, match="different baselines"):
         main(["--trend", a, c, "--out", str(tmp_path / "t2")])
+    mixed = _results(64, [3.0, 3.0, 3.0])
+    mixed["runs"][0]["config"] = json.dumps({"data": {"image_size": 32}})
+    with pytest.raises(SystemExit, match=r"image sizes \[32, 64\]; a trend point needs one"):
+        main(["--trend", a, _write(tmp_path, "mixed", mixed), "--out", str(tmp_path / "t4")])
     with pytest.raises(SystemExit, match="results.json not found"):
         main(["--trend", a, str(tmp_path), "--out", str(tmp_path / "t3")])
 
