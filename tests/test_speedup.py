@@ -295,7 +295,8 @@ def test_an_archive_of_run_records_resumes_a_study_elsewhere(tmp_path, monkeypat
     with pytest.raises(AssertionError, match="trained a run"):  # another rate is another run
         elsewhere.run("pixel", 0, 4e-3, evals=1, tuning=True)
     # Another guidance scale frozen since (the size file's): a sweep record scored at that scale is still the run's
-    # (training never reads the scale) and the sweep reads its score there; a scale it was not scored at retrains.
+    # (training never reads the scale) and the sweep reads its score there; a scale it was not scored at is another
+    # config, refused before training (a retrained run would overwrite the record).
     build = runner.build_config
 
     def frozen_at(scale):
@@ -311,8 +312,10 @@ def test_an_archive_of_run_records_resumes_a_study_elsewhere(tmp_path, monkeypat
     assert later["reused"] and sweeps.sweep_score(later, 9.0) == rec["cfg_scores"]["9"]
     assert sweeps.sweep_score(later, frozen) == rec["curve"][-1]["align_overall"]
     monkeypatch.setattr(runner, "build_config", frozen_at(7.0))
-    with pytest.raises(AssertionError, match="trained a run"):
+    kept = (archive / f"{key}.json").read_text()
+    with pytest.raises(runner.RunConflict, match="another --archive"):
         runner.Runner(size, tmp_path / "later2", tiny, **kwargs).run("pixel", 0, 2e-3, evals=1, tuning=True)
+    assert (archive / f"{key}.json").read_text() == kept
     monkeypatch.setattr(runner, "build_config", build)
     # The size file changed under a kept name (e.g. its data): refused before training, the record left as it was.
     changed = json.loads((archive / f"{key}.json").read_text())

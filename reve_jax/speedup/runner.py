@@ -175,12 +175,12 @@ class Runner:
             return dict(rec, reused=rec.get("invocation") != self.invocation)
         return None
 
-    def _check_archive(self, key: str, cfg, tuning: bool) -> None:
+    def _check_archive(self, key: str, cfg) -> None:
         """Refuses, before any training, a run whose name the archive holds for another config (a size file
-        changed since, e.g. its data): its record would be overwritten when the run finishes."""
+        changed since, e.g. its data; a sweep record is refused too when its scores lack the guidance scale frozen
+        since): its record would be overwritten when the run finishes."""
         path = self.archive / f"{key}.json" if self.archive else None
-        if path is not None and path.exists() and not same_config(json.loads(path.read_text()).get("config"), cfg,
-                                                                  any_guidance=tuning):  # fmt: skip
+        if path is not None and path.exists() and not same_config(json.loads(path.read_text()).get("config"), cfg):
             raise RunConflict(
                 f"{path} is the record of run {key} under another config (has the size file changed?); finishing "
                 "this run would overwrite it: pass another --archive directory for the new config"
@@ -224,7 +224,7 @@ class Runner:
         found = self._finished(key, cfg, size, tuning)
         if found is not None:
             return found
-        self._check_archive(key, cfg, tuning)
+        self._check_archive(key, cfg)
         self._share_autoencoder(cfg, into_cache=True)
         cfg, ae = with_autoencoder(cfg, size, self.cache_dir, self.log)
         self._share_autoencoder(cfg, into_cache=False)
