@@ -75,6 +75,11 @@ def interval_text(center: float, lo: float, hi: float, kind: str, fmt: str = "{:
 SPEEDUP_COSTS = ("step", "flops", "wall_s", "cpu_s")
 
 
+def speedup_cell(row: dict, cost: str) -> str:
+    """A method's speedup on `cost` (an analysis row: "speedup", "interval", "upper_bound"), "<=" when censored."""
+    return "<=" * row["upper_bound"] + interval_text(*row["speedup"][cost], row["interval"], unit="x")
+
+
 def markdown_table(results: dict) -> str:
     """The per-seed gate, the time to the baseline's plateau (speedups with their interval or range), the per-seed
     speedups in steps, the finals and the per-attribute alignment."""
@@ -103,7 +108,7 @@ def markdown_table(results: dict) -> str:
                   + " |", "|---" * (2 + len(costs)) + "|"]  # fmt: skip
         for m in _order(rows, baseline):
             r = rows[m]
-            cells = ["<=" * r["upper_bound"] + interval_text(*r["speedup"][k], r["interval"], unit="x") for k in costs]
+            cells = [speedup_cell(r, k) for k in costs]
             lines.append(f"| {label(m)} | {r['reached']}/{r['seeds']} | " + " | ".join(cells) + " |")
         lines += one_time_lines(results, rows, baseline, reused)
         seeds = [p["seed"] for p in rows[baseline]["per_seed"]] if baseline in rows else []

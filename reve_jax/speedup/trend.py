@@ -54,13 +54,13 @@ def rows(all_results: list[dict]) -> list[dict]:
             "ratios over one baseline (pass --baseline alike to every size's benchmark)"
         )
     out = []
-    for res in sorted(all_results, key=resolution):
+    for px, res in sorted(((resolution(r), r) for r in all_results), key=lambda t: t[0]):
         tt = res["summary"]["time_to_target"]
         base = res["size"]["baseline"]
         methods = [m for m in res["methods"] if m != base]
         reused = any(r.get("reused") for r in res["runs"])
         for m in methods:
-            row = {"size": res["size"]["name"], "resolution": resolution(res), "method": m, "ok": False,
+            row = {"size": res["size"]["name"], "resolution": px, "method": m, "ok": False,
                    "why": tt["why"], "wall": not reused}  # fmt: skip
             rm = tt.get("methods", {}).get(m) if tt["ok"] else None
             if rm is not None:
@@ -85,17 +85,13 @@ def markdown(trend: list[dict]) -> str:
         if not r["ok"]:
             lines.append(f"{head} - | **{r['why']}** |" + " - |" * len(COSTS))
             continue
-        cells = [_cell(r, k) for k in (*COSTS, "wall_s")]
+        cells = [report.speedup_cell(r, k) for k in (*COSTS, "wall_s")]
         if not r["wall"]:
             cells[-1] = "- (reused runs)"
         lines.append(f"{head} {r['reached']}/{r['seeds']} | " + " | ".join(cells) + " |")
     lines += ["", "`<=`: some seed never reached the target (censored at the full budget): an upper bound. "
               "[lo, hi]: 95% bootstrap over seeds and captions; (range lo-hi): fewer than 5 seeds."]  # fmt: skip
     return "\n".join(lines) + "\n"
-
-
-def _cell(r: dict, cost: str) -> str:
-    return "<=" * r["upper_bound"] + report.interval_text(*r["speedup"][cost], r["interval"], unit="x")
 
 
 def plot(trend: list[dict], path) -> Path:
