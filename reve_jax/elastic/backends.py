@@ -227,7 +227,26 @@ def check_host_name(host: str) -> str:
     return host
 
 
-class SSHBackend:
+class _RemoteHosts:
+    """Addressing shared by the backends that start processes on other machines: the coordinator on the first
+    host at a fresh port per attempt (the previous coordinator's port may still be held there), and the heartbeat
+    channel on `advertise` if given, else on this machine's address facing the hosts."""
+
+    hosts: list[str]
+    base_port: int
+    advertise: str
+
+    def coordinator(self, host: str, attempt: int) -> str:
+        return f"{host}:{self.base_port + attempt % 500}"
+
+    def heartbeat_host(self) -> str:
+        return self.advertise or facing_address(self.hosts)
+
+    def heartbeat_bind(self) -> str:
+        return socket.gethostbyname(self.advertise) if self.advertise else facing_address(self.hosts)
+
+
+class SSHBackend(_RemoteHosts):
     """One process per host through `ssh host`, run from `remote_dir` there (the same checkout on every host).
 
     The remote process runs in its own session and writes its id to a pid file in a directory of the remote
@@ -259,16 +278,6 @@ class SSHBackend:
             "-o",
             "ServerAliveCountMax=2",
         ]
-
-    def coordinator(self, host: str, attempt: int) -> str:
-        # A fresh port per attempt: the previous coordinator's port may still be held on that host.
-        return f"{host}:{self.base_port + attempt % 500}"
-
-    def heartbeat_host(self) -> str:
-        return self.advertise or facing_address(self.hosts)
-
-    def heartbeat_bind(self) -> str:
-        return socket.gethostbyname(self.advertise) if self.advertise else facing_address(self.hosts)
 
     def remote_command(self, argv: list[str], env: dict, pid_name: str, read_secret: bool = False) -> str:
         """Returns the shell line run on the remote host: start `argv` with `env` in its own session, record its
@@ -310,7 +319,7 @@ class SSHBackend:
         return self.start(host, ["python", "-m", PROBE_MODULE], env, log_path)
 
 
-class SlurmBackend:
+class SlurmBackend(_RemoteHosts):
     """One `srun` step per host inside the current allocation (SLURM_JOB_ID set); hosts default to the
     allocation's nodes. `srun_args` are added to every step (e.g. --gpus-per-task=8). `kill()` cancels the
     step with SIGKILL through scancel (killing srun alone can leave its tasks running) and then kills
@@ -332,15 +341,6 @@ class SlurmBackend:
         self.hosts = list(hosts) if hosts else allocation_hosts()
         self.srun_args, self.base_port, self.advertise = list(srun_args), base_port, advertise
         self.python = python
-
-    def coordinator(self, host: str, attempt: int) -> str:
-        return f"{host}:{self.base_port + attempt % 500}"
-
-    def heartbeat_host(self) -> str:
-        return self.advertise or facing_address(self.hosts)
-
-    def heartbeat_bind(self) -> str:
-        return socket.gethostbyname(self.advertise) if self.advertise else facing_address(self.hosts)
 
     def srun_command(self, host: str, argv: list[str], step_name: str, read_secret: bool = False) -> list[str]:
         """Returns the srun line that runs `argv` as one task on `host`; with `read_secret`, through a shell

@@ -222,13 +222,19 @@ class Policy:
             self.exposure_s += max(0.0, t - self._exposure_t) * len(g.hosts)
         self._exposure_t = t
 
-    def _on_beat(self, ev: Beat, out: list[Action]) -> None:
+    def _live_member(self, ev: Beat | Exit) -> Member | None:
+        """The member `ev` is about, or None if it is stale: another attempt's, not a member's, or one that exited."""
         g = self.group
         if g is None or ev.attempt != g.attempt or ev.host not in g.members:
-            return
+            return None
         m = g.members[ev.host]
-        if m.exit_code is not None:
+        return None if m.exit_code is not None else m
+
+    def _on_beat(self, ev: Beat, out: list[Action]) -> None:
+        m = self._live_member(ev)
+        if m is None:
             return
+        g = self.group
         stale = ev.restarts < m.restarts  # sent before this worker restarted in-process: its start step is old
         m.seen_restarts = max(m.seen_restarts, ev.restarts)
         if m.first_beat_t is None:
@@ -252,12 +258,10 @@ class Policy:
         self._advance_recovery(ev.t, out)
 
     def _on_exit(self, ev: Exit, out: list[Action]) -> None:
+        m = self._live_member(ev)
+        if m is None:
+            return
         g = self.group
-        if g is None or ev.attempt != g.attempt or ev.host not in g.members:
-            return
-        m = g.members[ev.host]
-        if m.exit_code is not None:
-            return
         m.exit_code, m.exit_t = ev.code, ev.t
         out.append(Record("exit", {"attempt": g.attempt, "host": ev.host, "code": ev.code, "step": m.step}))
         if ev.code != 0 and g.mode != "killing" and g.first_failed_exit_t is None:
