@@ -98,13 +98,16 @@ def test_methods_differ_only_in_their_techniques_and_every_size_builds():
         assert cfg.model.arch == "ddt" and cfg.loss.repa_weight > 0
     with pytest.raises(ValueError, match="no technique"):
         protocol.build_config(size, "prx-latent", 0)
-    # baseline A with Muon (cpu30's control): baseline A's latent tokens and AdamW rate, Muon's rate its own
+    # baseline A with Muon (cpu30's 2x2): baseline A's latent tokens, both rates its own (each arm is swept alike)
     from configs.speedup import cpu30
 
     s30 = _size("cpu30")
     lat30, lat_muon = (protocol.build_config(s30, m, 0) for m in ("latent", "latent+muon"))
     assert lat_muon.model.patch == lat30.model.patch == 2 and lat_muon.latent.path == lat30.latent.path
-    assert (lat30.optim.name, lat_muon.optim.name) == ("adamw", "muon") and lat_muon.optim.lr == lat30.optim.lr
+    assert (lat30.optim.name, lat_muon.optim.name) == ("adamw", "muon")
+    frozen = cpu30.FROZEN["latent"]
+    assert (lat30.optim.lr, lat30.sample.cfg_scale) == (frozen["lr"], frozen["cfg_scale"])
+    assert lat_muon.optim.lr == cpu30.FROZEN["latent+muon"]["lr"]
     assert lat_muon.optim.muon_lr == cpu30.FROZEN["latent+muon"]["muon_lr"] != lat_muon.optim.lr
     assert jax.device_count() == 8  # conftest's emulated devices: the configs build without touching them
 
