@@ -66,7 +66,7 @@ def sweep(
                               "runs": sum(len(d) for d in per_seed.values()),
                               "per_seed": {seed: _by_rate(d) for seed, d in per_seed.items()},
                               "cfg_scale": float(pick(scales, f"{frozen.sample.cfg_scale:g}")),
-                              "cfg_scores": scales}  # fmt: skip
+                              "cfg_scores": scales, "scored_at": float(frozen.sample.cfg_scale)}  # fmt: skip
         log(f"sweep {method}: {rate} {best:g} ({'inside' if inside else 'AT THE EDGE of'} the grid {r['grid']}, "
             f"seeds {list(seeds)}), guidance {r['cfg_scale']:g} ({scales})")  # fmt: skip
         path = out / "sweep.json"
@@ -80,7 +80,8 @@ def sweep(
 def markdown(saved: dict) -> str:
     """Every sweep of sweep.json in one table (issue 45: each method's sweep runs side by side): a row per method,
     rate group and value, each tuning seed's final alignment and their mean, the winner in bold (flagged when at
-    the grid's edge after the last extension), then the guidance scales on the winner (mean over the seeds)."""
+    the grid's edge after the last extension), then the guidance scales on the winner (mean over the seeds). A rate's
+    rows name the guidance scale they were scored at (the method's frozen one) where the record holds it."""
     seeds = sorted({int(s) for r in saved.values() for s in r["per_seed"]})
 
     def bold(text: str, yes: bool) -> str:
@@ -96,7 +97,8 @@ def markdown(saved: dict) -> str:
             win = float(value) == r[rate]
             cells = [f"{per_seed[s][value]:.3f}" if value in per_seed.get(s, {}) else "-" for s in seeds]
             edge = " (at the grid's edge)" if win and not r["inside_grid"] else ""
-            row = [method, rate, bold(value, win) + edge, *cells, bold(f"{mean:.3f}", win), str(r["runs"]) * (i == 0)]
+            label = f"{rate} (at guidance {r['scored_at']:g})" if "scored_at" in r else rate
+            row = [method, label, bold(value, win) + edge, *cells, bold(f"{mean:.3f}", win), str(r["runs"]) * (i == 0)]
             lines.append("| " + " | ".join(row) + " |")
         for scale, mean in r["cfg_scores"].items():
             row = [method, f"guidance (at {rate} {r[rate]:g})", scale, *([""] * len(seeds))]
