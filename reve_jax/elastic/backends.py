@@ -228,8 +228,8 @@ def check_host_name(host: str) -> str:
 
 
 class _RemoteHosts:
-    """Addressing shared by the backends that start processes on other machines: the coordinator on the first
-    host at a fresh port per attempt (the previous coordinator's port may still be held there), and the heartbeat
+    """Addressing shared by the backends that start processes on other machines: the coordinator on the host it is
+    given, at a fresh port per attempt (the previous coordinator's port may still be held there), and the heartbeat
     channel on `advertise` if given, else on this machine's address facing the hosts."""
 
     hosts: list[str]
