@@ -45,10 +45,8 @@ TASK = (
 )
 FROZEN = {  # each method's rates and guidance, as this size's sweeps chose them (docs/speedup_log.md)
     **cpu.FROZEN,
-    # the tuning sweeps at 4,500 steps (seeds 100, 101; the mean final alignment on 128 unseen captions at the frozen
-    # guidance): baseline A 5e-4 0.635, 1e-3 0.764, 2e-3 0.816, 4e-3 0.859, 8e-3 0.827, on 4e-3 guidance 1/1.5/2/3
-    # 0.759/0.827/0.848/0.859; the recipe 5e-4 0.773, 1e-3 0.799, 2e-3 0.802, 4e-3 0.781, guidance 0.755/0.802/0.799/
-    # 0.556. Rebuilt from the archive without training: `--sweep --methods latent,recipe --archive docs/results/cpu30`
+    # the tuning sweeps at this budget (their tables: docs/speedup_log.md, 2026-12-06; rebuilt from the archive
+    # without training by `--sweep --methods latent,recipe --archive docs/results/cpu30`)
     "latent": {"lr": 4e-3, "cfg_scale": 3.0},
     "recipe": {"lr": 2e-3, "cfg_scale": 1.5},
     "pixel": {"lr": 4e-3, "cfg_scale": 2.0},  # the `cpu` size's values, confirmed by its own sweep (under the gate)
