@@ -284,6 +284,8 @@ def test_an_archive_of_run_records_resumes_a_study_elsewhere(tmp_path, monkeypat
     assert set(rec["cfg_scores"]) == {f"{frozen:g}", "9"} and all(0 <= v <= 1 for v in rec["cfg_scores"].values())
     # at the run's own scale: the same weights, captions and noise as its final evaluation, so the same score
     assert rec["cfg_scores"][f"{frozen:g}"] == rec["curve"][-1]["align_overall"]
+    # evaluated at the end only, a sweep run still checkpoints at the size's evaluation cadence (a stop loses little)
+    assert json.loads(rec["config"])["train"]["ckpt_every"] == size.eval_every == 2 < size.steps
 
     def no_training(*a, **kw):
         raise AssertionError("trained a run the archive holds")
@@ -496,6 +498,12 @@ def test_a_finished_run_is_reused_across_added_config_keys():
     saved["loss"]["dino_target"] = "features"  # a value other than the one ADDED_KEYS says old runs had
     assert not protocol.same_config(json.dumps(saved, sort_keys=True), cfg)
     assert not protocol.same_config(None, cfg)
+    # the checkpoint cadence changes no result (a resumed run ends as a straight one), the budget does
+    saved = json.loads(config_lib.to_json(cfg))
+    saved["train"]["ckpt_every"] += 7
+    assert protocol.same_config(json.dumps(saved), cfg)
+    saved["train"]["steps"] += 7
+    assert not protocol.same_config(json.dumps(saved), cfg)
     # a latent run's autoencoder is matched by its file name (its settings' hash), wherever the cache directory is
     latent = protocol.build_config(_size("cpu"), "latent", 0)
     runner.config_lib.apply_override(latent, "latent.path='/machine_a/cache/autoencoder_0123456789ab.npz'")

@@ -89,14 +89,15 @@ RATES = ("lr", "muon_lr")  # the optimizer rates a sweep can vary: the main (Ada
 
 
 def build_config(size: Protocol, method: str, seed: int, extra: tuple[str, ...] = (), lr: float | None = None,
-                 rate: str = "lr"):  # fmt: skip
+                 rate: str = "lr", ckpt_every: int | None = None):  # fmt: skip
     """The config of one run: the size file's config for `method` (its model, data, frozen LR and guidance), then
-    the protocol's budget and checkpoint cadence (a checkpoint at every evaluation), the seed (model and data),
-    `lr` when given (the sweep) as the optimizer's `rate` (one of RATES; the other keeps its frozen value), and
-    `extra` overrides."""
+    the protocol's budget and checkpoint cadence (`ckpt_every`, default a checkpoint at every evaluation), the seed
+    (model and data), `lr` when given (the sweep) as the optimizer's `rate` (one of RATES; the other keeps its
+    frozen value), and `extra` overrides."""
     if rate not in RATES:
         raise ValueError(f"unknown rate {rate!r}: a sweep varies one of {RATES}")
-    items = [f"train.steps={size.steps}", f"train.ckpt_every={size.eval_every}", f"seed={seed}", f"data.seed={seed}"]
+    every = ckpt_every or size.eval_every
+    items = [f"train.steps={size.steps}", f"train.ckpt_every={every}", f"seed={seed}", f"data.seed={seed}"]
     if lr is not None:
         items.append(f"optim.{rate}={lr!r}")
     cfg = config_lib.load_config(f"{size.config}:{method}", [*items, *extra])
@@ -108,8 +109,11 @@ def build_config(size: Protocol, method: str, seed: int, extra: tuple[str, ...] 
 def _read_keys(cfg_json: str) -> dict:
     """A config's JSON as a dict without the keys the run never read: Muon's settings (optim.muon_*) when the
     optimizer is not Muon, the sampler's clamp (sample.t_eps) when the model does not predict x; the autoencoder's
-    path as its file name (latent/training.py `cache_path`: named by the hash of what it was trained on)."""
+    path as its file name (latent/training.py `cache_path`: named by the hash of what it was trained on); nor the
+    checkpoint cadence (train.ckpt_every: a resumed run ends where an uninterrupted one does, so it changes no
+    result)."""
     d = json.loads(cfg_json)
+    d["train"].pop("ckpt_every", None)
     if d["optim"]["name"] != "muon":
         d["optim"] = {k: v for k, v in d["optim"].items() if not k.startswith("muon_")}
     if d["diffusion"]["prediction"] != "x":
