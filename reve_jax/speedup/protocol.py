@@ -89,15 +89,14 @@ RATES = ("lr", "muon_lr")  # the optimizer rates a sweep can vary: the main (Ada
 
 
 def build_config(size: Protocol, method: str, seed: int, extra: tuple[str, ...] = (), lr: float | None = None,
-                 rate: str = "lr", ckpt_every: int | None = None):  # fmt: skip
+                 rate: str = "lr"):  # fmt: skip
     """The config of one run: the size file's config for `method` (its model, data, frozen LR and guidance), then
-    the protocol's budget and checkpoint cadence (`ckpt_every`, default a checkpoint at every evaluation), the seed
-    (model and data), `lr` when given (the sweep) as the optimizer's `rate` (one of RATES; the other keeps its
-    frozen value), and `extra` overrides."""
+    the protocol's budget and checkpoint cadence (a checkpoint at every evaluation), the seed (model and data),
+    `lr` when given (the sweep) as the optimizer's `rate` (one of RATES; the other keeps its frozen value), and
+    `extra` overrides."""
     if rate not in RATES:
         raise ValueError(f"unknown rate {rate!r}: a sweep varies one of {RATES}")
-    every = ckpt_every or size.eval_every
-    items = [f"train.steps={size.steps}", f"train.ckpt_every={every}", f"seed={seed}", f"data.seed={seed}"]
+    items = [f"train.steps={size.steps}", f"train.ckpt_every={size.eval_every}", f"seed={seed}", f"data.seed={seed}"]
     if lr is not None:
         items.append(f"optim.{rate}={lr!r}")
     cfg = config_lib.load_config(f"{size.config}:{method}", [*items, *extra])

@@ -218,9 +218,9 @@ class Runner:
         at each of the size's guidance scales (the record's "cfg_scores")."""
         size = self.size if evals is None else dataclasses.replace(self.size, evals=evals)
         key = _run_key(size, method, seed, self.extra, lr, rate) + ("" if evals is None else f"-e{evals}")
-        # a checkpoint at every evaluation of the size's headline cadence, a sweep run's too (it is evaluated at the
-        # end only): a stopped session loses minutes, not the run
-        cfg = build_config(size, method, seed, self.extra, lr, rate, ckpt_every=self.size.eval_every)
+        # from the size's own evaluations, so a sweep run (evaluated at the end only) checkpoints at the headline's
+        # cadence too: a stopped session loses minutes, not the run
+        cfg = build_config(self.size, method, seed, self.extra, lr, rate)
         if cfg.latent.path:  # where the size's autoencoder is (or will be): part of the config a record matches
             config_lib.apply_override(cfg, f"latent.path='{latent_training.cache_path(cfg, self.cache_dir)}'")
         found = self._finished(key, cfg, size, tuning)
