@@ -14,7 +14,8 @@ _log = logging.getLogger("reve_jax")
 class Progress:
     """`p = Progress("autoencoder", total)`; `p(done, "mse 0.01")` after each unit of work logs
     "autoencoder 120/3000 (4.0%, 2.1/s, 23 min left): mse 0.01" when `seconds` have passed since the last line, and
-    always at `done == total`. `log` and `clock` are for tests."""
+    always at `done == total`. `start`: the units done before (a resumed job), left out of the rate. `log` and `clock`
+    are for tests."""
 
     def __init__(
         self,
@@ -22,10 +23,11 @@ class Progress:
         total: int,
         *,
         seconds: float = 30.0,
+        start: int = 0,
         log: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.what, self.total, self.seconds = what, max(int(total), 1), seconds
+        self.what, self.total, self.seconds, self.start = what, max(int(total), 1), seconds, start
         self.log = log or _log.info
         self.clock = clock
         self.t0 = self.last = clock()
@@ -37,7 +39,7 @@ class Progress:
         if now - self.last < self.seconds and done < self.total:
             return False
         self.last = now
-        rate = done / max(now - self.t0, 1e-9)
+        rate = (done - self.start) / max(now - self.t0, 1e-9)
         left = (self.total - done) / rate if rate > 0 else float("inf")
         eta = f"{left / 60:.0f} min left" if left >= 90 else f"{left:.0f} s left"
         line = f"{self.what} {done}/{self.total} ({100 * done / self.total:.1f}%, {rate:.3g}/s, {eta})"

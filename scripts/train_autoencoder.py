@@ -6,7 +6,8 @@
 
 The config's `data` section says what to train on and its `latent` section the autoencoder's size and training
 (docs/latent.md). Prints the training time and the caption alignment of the reconstructions beside the real
-images'. An existing --out is never overwritten (pass --force to replace it).
+images'. An existing --out is never overwritten (pass --force to replace it). The training state is kept in
+<out stem>.partial.npz while it runs: the same command after an interruption resumes from it.
 """
 
 import argparse
@@ -32,9 +33,11 @@ def main(argv=None):
     from reve_jax.latent import autoencoder
     from reve_jax.latent import training as latent_training
 
-    model, info = latent_training.train(cfg)
+    partial = latent_training.partial_path(out)
+    model, info = latent_training.train(cfg, partial=partial)
     info["check"] = latent_training.check_reconstructions(cfg, model, args.check)
     autoencoder.save(model, out, info)
+    partial.unlink(missing_ok=True)
     logging.getLogger("reve_jax").info("wrote %s", out)
     print(json.dumps({k: info[k] for k in ("train_s", "final_mse", "check")}, indent=1))
 

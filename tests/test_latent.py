@@ -161,3 +161,30 @@ def test_one_autoencoder_per_dataset_whatever_the_runs_seeds():
     mb, _ = latent_training.train(tiny_config(*AE, *short, "seed=2", "data.seed=5"))
     for x, y in zip(jax.tree.leaves(nnx.state(ma)), jax.tree.leaves(nnx.state(mb)), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_an_interrupted_autoencoder_training_resumes_where_it_stopped(tmp_path):
+    """Stopped at step 3 of 6 with its state saved, then resumed: the weights equal an uninterrupted training's
+    bit for bit; a partial file of another autoencoder is a clear error; `cached` deletes the partial file once
+    the weights are saved."""
+    short = ("latent.train_steps=6", "latent.train_batch=4")
+    cfg = tiny_config(*AE, *short)
+    straight, _ = latent_training.train(cfg)
+    partial = tmp_path / "ae.partial.npz"
+    none, info = latent_training.train(cfg, partial=partial, stop_at=3)
+    assert none is None and info["steps_done"] == 3 and partial.is_file()
+    resumed, info = latent_training.train(cfg, partial=partial)
+    assert info["resumes"] == 1 and info["steps"] == 6
+    for x, y in zip(jax.tree.leaves(nnx.state(straight)), jax.tree.leaves(nnx.state(resumed)), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    other = tiny_config(*AE, *short, "latent.channels=8")
+    with pytest.raises(ValueError, match="partial training of another autoencoder"):
+        latent_training.train(other, partial=partial)
+    path = latent_training.cache_path(cfg, tmp_path / "cache")
+    latent_training.partial_path(path).parent.mkdir()
+    partial.replace(latent_training.partial_path(path))  # the state at step 6: `cached` resumes it a second time
+    got, info = latent_training.cached(cfg, tmp_path / "cache")
+    assert got == path and info["resumes"] == 2 and not latent_training.partial_path(path).exists()
+    loaded, _ = autoencoder.load(path)
+    for x, y in zip(jax.tree.leaves(nnx.state(straight)), jax.tree.leaves(nnx.state(loaded)), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

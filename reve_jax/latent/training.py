@@ -48,12 +48,20 @@ def _batches(cfg, batch: int, start: int):
 TRAIN_SEED = 0
 
 
-def train(cfg) -> tuple[autoencoder.Autoencoder, dict]:
+def train(
+    cfg, partial: str | Path | None = None, save_every_s: float = 120.0, stop_at: int | None = None
+) -> tuple[autoencoder.Autoencoder | None, dict]:
     """Train the autoencoder of `cfg.latent` on `cfg.data` (latent.train_steps steps of latent.train_batch images,
     AdamW with a cosine decay), then measure the latents' per-channel shift and scale. Returns (model, info).
 
     The autoencoder belongs to the dataset, not to a run: it is initialised and fed with TRAIN_SEED whatever the
-    run's `seed` and `data.seed`, so every seed of a benchmark shares one (as Linum's runs share one VAE)."""
+    run's `seed` and `data.seed`, so every seed of a benchmark shares one (as Linum's runs share one VAE).
+
+    With `partial` (a file path), the training state is written there every `save_every_s` seconds and at the end
+    of the loop, and a training that finds one resumes from it: the step's batch and noise key depend on the step
+    only, so a resumed training ends where an uninterrupted one does (at 64 px it is over an hour of 2 CPU cores,
+    longer than a session may last). `stop_at` ends the loop at that step with the state saved and returns
+    (None, info): a deliberate interruption, for tests. The caller deletes `partial` once the weights are saved."""
     lt = cfg.latent
     cfg = cfg.copy_and_resolve_references()
     with cfg.unlocked():
@@ -78,22 +86,40 @@ def train(cfg) -> tuple[autoencoder.Autoencoder, dict]:
         updates, o = opt.update(g, o, p)
         return optax.apply_updates(p, updates), o, mse
 
-    t0 = time.perf_counter()
+    start, seconds_before, resumes = 0, 0.0, 0
+    if partial is not None and Path(partial).is_file():
+        (params, opt_state), start, seconds_before, resumes = _load_partial(
+            partial, (params, opt_state), cache_key(cfg)
+        )
+        resumes += 1
+        log.info("autoencoder: resumed from step %d of %d (%s)", start, lt.train_steps, partial)
+    end = lt.train_steps if stop_at is None else min(stop_at, lt.train_steps)
+    t0 = last_save = time.perf_counter()
     key = jax.random.key(cfg.seed)
     mse = float("nan")
-    progress = Progress("autoencoder step", lt.train_steps)
-    for i, x in zip(range(lt.train_steps), _batches(cfg, lt.train_batch, 0), strict=False):
+    progress = Progress("autoencoder step", lt.train_steps, start=start)
+    for i, x in zip(range(start, end), _batches(cfg, lt.train_batch, start), strict=False):
         params, opt_state, mse = step(params, opt_state, x, jax.random.fold_in(key, i))
         progress(i + 1, lambda mse=mse: f"reconstruction mse {float(mse):.5f}")
+        if partial is not None and time.perf_counter() - last_save > save_every_s:
+            _save_partial(partial, (params, opt_state), i + 1, seconds_before + time.perf_counter() - t0, resumes,
+                          cache_key(cfg))  # fmt: skip
+            last_save = time.perf_counter()
+    seconds = seconds_before + time.perf_counter() - t0
+    if partial is not None and end > start:
+        _save_partial(partial, (params, opt_state), end, seconds, resumes, cache_key(cfg))
+    if end < lt.train_steps:
+        return None, {"steps_done": end, "train_s": seconds}
     model = nnx.merge(graphdef, params, rest)
-    seconds = time.perf_counter() - t0
     shift, scale = _latent_stats(model, cfg)
     model.shift[...], model.scale[...] = shift, scale
     info = {
         "steps": lt.train_steps,
         "batch": lt.train_batch,
         "train_s": seconds,
-        "train_cpu_note": "wall-clock seconds of the training loop on the machine in `machine`",
+        "train_cpu_note": "wall-clock seconds of the training loop on the machine in `machine` (summed over its "
+        "pieces when it was resumed: `resumes`)",
+        "resumes": resumes,
         "machine": {"devices": [d.device_kind for d in jax.devices()], "jax": jax.__version__},
         "final_mse": float(mse),
         "train_flops": 3 * autoencoder.encoder_flops_per_image(ae_config(cfg), *_hw(cfg)) * 2 * lt.train_steps
@@ -101,6 +127,33 @@ def train(cfg) -> tuple[autoencoder.Autoencoder, dict]:
         "key": _data_key(cfg),
     }  # fmt: skip
     return model, info
+
+
+def _save_partial(path, state, step: int, seconds: float, resumes: int, key: str) -> None:
+    """The training state after `step` steps, written beside the final weights and never half-written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    leaves = {f"leaf{j}": np.asarray(v) for j, v in enumerate(jax.tree.leaves(state))}
+    tmp = path.with_name(path.name + ".tmp.npz")
+    np.savez(tmp, step=step, seconds=seconds, resumes=resumes, key=np.frombuffer(key.encode(), np.uint8), **leaves)
+    tmp.replace(path)
+
+
+def _load_partial(path, like, key: str):
+    """(state, step, seconds, resumes) from `_save_partial`'s file, checked against the training it would resume."""
+    with np.load(path) as z:
+        if "key" not in z or bytes(z["key"]).decode() != key:
+            raise ValueError(
+                f"{path} is the partial training of another autoencoder (not of data and latent settings {key}): "
+                "delete it to train this one from the start"
+            )
+        leaves, treedef = jax.tree.flatten(like)
+        saved = [z[f"leaf{j}"] for j in range(len(leaves)) if f"leaf{j}" in z]
+        if len(saved) != len(leaves) or any(a.shape != np.shape(b) for a, b in zip(saved, leaves, strict=True)):
+            raise ValueError(f"{path}: its training state does not fit this autoencoder; delete it to start over")
+        arrays = [jnp.asarray(a, dtype=jnp.asarray(b).dtype) for a, b in zip(saved, leaves, strict=True)]
+        state = jax.tree.unflatten(treedef, arrays)
+        return state, int(z["step"]), float(z["seconds"]), int(z["resumes"])
 
 
 def _hw(cfg) -> tuple[int, int]:
@@ -155,7 +208,14 @@ def cached(cfg, cache_dir: str | Path) -> tuple[Path, dict]:
     if path.is_file():
         return path, autoencoder.load(path)[1]["info"]
     log.info("training the autoencoder (%d steps) into %s", cfg.latent.train_steps, path)
-    model, info = train(cfg)
+    partial = partial_path(path)
+    model, info = train(cfg, partial=partial)
     info["check"] = check_reconstructions(cfg, model)
     autoencoder.save(model, path, info)
+    partial.unlink(missing_ok=True)
     return path, info
+
+
+def partial_path(path: Path) -> Path:
+    """Where the training of the autoencoder to be saved at `path` keeps its state until it ends."""
+    return path.with_name(path.stem + ".partial.npz")
