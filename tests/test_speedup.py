@@ -333,6 +333,38 @@ def test_an_archive_of_run_records_resumes_a_study_elsewhere(tmp_path, monkeypat
     assert (archive / f"{key}.json").read_text() == kept
 
 
+def test_a_run_of_the_same_config_under_another_name_is_not_trained_again(tmp_path, monkeypatch):
+    """A Muon arm's grid of Muon's rate (AdamW's pinned at its winner) passes through the point its AdamW sweep ran
+    (Muon at its frozen rate there): that record is reused and saved under the new name. A record of another kind
+    (a sweep's for a headline run) or another config is not."""
+    size = dataclasses.replace(_size("cpu"), steps=4, evals=2, n_eval=8, n_final=8)
+    frozen = protocol.build_config(size, "prx", 100)
+    lr, muon_lr = frozen.optim.lr, frozen.optim.muon_lr
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    swept = runner._run_key(size, "prx", 100, (), lr, "lr") + "-e1"  # the AdamW sweep's point at the winner
+    record = {"method": "prx", "seed": 100, "curve": _curve([0.7], every=4), "cfg_scores": {"1.5": 0.7},
+              "config": runner.config_lib.to_json(protocol.build_config(size, "prx", 100, (), lr, "lr"))}  # fmt: skip
+    (archive / f"{swept}.json").write_text(json.dumps(record))
+
+    def no_training(*a, **kw):
+        raise AssertionError("trained a run the archive holds")
+
+    monkeypatch.setattr(runner, "train_run", no_training)
+    lines = []
+    pinned = (f"optim.lr={lr!r}",)
+    grid = runner.Runner(size, tmp_path / "out", pinned, archive=archive, log=lines.append)
+    got = grid.run("prx", 100, muon_lr, evals=1, rate="muon_lr", tuning=True)
+    assert got["curve"] == record["curve"] and got["reused"]
+    assert lines[-1].endswith(f"reused from {archive / (swept + '.json')}: the same config")
+    key = runner._run_key(size, "prx", 100, pinned, muon_lr, "muon_lr") + "-e1"
+    assert json.loads((archive / f"{key}.json").read_text()) == record  # found by its own name from now on
+    with pytest.raises(AssertionError, match="trained a run"):  # another Muon rate is another run
+        grid.run("prx", 100, 2 * muon_lr, evals=1, rate="muon_lr", tuning=True)
+    with pytest.raises(AssertionError, match="trained a run"):  # a headline run is evaluated otherwise
+        runner.Runner(size, tmp_path / "head", archive=archive, log=lines.append).run("prx", 100)
+
+
 def test_the_archive_keeps_the_autoencoder_its_records_used(tmp_path):
     """Baseline A's autoencoder is copied into the archive beside the records, and from there into another
     machine's cache instead of being trained again (a retrained one differs across CPUs); a pixel run has none."""

@@ -173,6 +173,29 @@ class Runner:
                 self.autoencoders.setdefault(cfg.latent.path, rec["autoencoder"])
             self.log(f"[{key}] reused from {path}")
             return dict(rec, reused=rec.get("invocation") != self.invocation)
+        return self._twin(key, cfg, size, tuning)
+
+    def _twin(self, key: str, cfg, size: Protocol, tuning: bool) -> dict | None:
+        """A finished run of the same config under another name, reused (and saved under `key`) instead of
+        training it again: a Muon arm's grid of Muon's rate, with AdamW's pinned at its winner, passes through the
+        point its AdamW sweep already ran (Muon at its frozen rate there), and training is deterministic. Only a
+        run of the same kind counts: a sweep's (evaluated once, its guidance scores) for a sweep's, a headline's
+        (its evaluations) for a headline's."""
+        sweep_run = key.endswith("-e1")
+        dirs = [self.out / "runs", *([self.archive] if self.archive else [])]
+        for path in sorted({p for d in dirs if d.is_dir() for p in d.glob(f"{size.name}-*.json")}):
+            if path.stem == key or path.stem.endswith("-e1") != sweep_run:
+                continue
+            rec = json.loads(path.read_text())
+            scales = rec.get("cfg_scores", {})
+            if tuning != bool(scales) or not complete(rec, size.steps):
+                continue
+            if same_config(rec.get("config"), cfg, any_guidance=f"{cfg.sample.cfg_scale:g}" in scales):
+                self._save(key, rec, only_missing=True)
+                if rec.get("autoencoder") is not None:
+                    self.autoencoders.setdefault(cfg.latent.path, rec["autoencoder"])
+                self.log(f"[{key}] reused from {path}: the same config")
+                return dict(rec, reused=rec.get("invocation") != self.invocation)
         return None
 
     def _check_archive(self, key: str, cfg) -> None:
