@@ -464,6 +464,34 @@ def test_sweep_extends_the_grid_until_the_winner_is_inside_then_picks_the_guidan
     assert set(json.loads((tmp_path / "sweep.json").read_text())) == {"latent", "prx@muon_lr"}
 
 
+def test_a_muon_arms_sweeps_hold_the_rate_they_began_with_and_reach_it(tmp_path, monkeypatch):
+    """`sweep_from`: the AdamW group's sweep holds Muon's rate at the value recorded there, whatever is frozen since
+    (freezing the winners changes none of its runs); Muon's grid reaches that value in factors of 2, so the point the
+    AdamW sweep measured is not dropped by a local winner below it (the stub's scores dip at 4e-3, then peak there)."""
+    held = 1.6e-2
+    size = dataclasses.replace(_size("cpu"), sweep_lrs=(1e-3, 2e-3, 4e-3), sweep_from={"prx": {"muon_lr": held}})
+    frozen = protocol.build_config(size, "prx", 0)
+    assert frozen.optim.muon_lr != held, "the test needs a frozen Muon rate other than the held one"
+    swept = protocol.build_config(size, "prx", 0, (), 2e-3, "lr")
+    assert (swept.optim.lr, swept.optim.muon_lr) == (2e-3, held)
+    muon = protocol.build_config(size, "prx", 0, ("optim.lr=0.002",), 4e-3, "muon_lr")
+    assert (muon.optim.lr, muon.optim.muon_lr) == (2e-3, 4e-3)
+    scores = {1e-3: 0.6, 2e-3: 0.7, 4e-3: 0.65, 8e-3: 0.75, 1.6e-2: 0.8, 3.2e-2: 0.7}
+    tried = []
+
+    def run(self, method, seed, lr=None, rate="lr", **kw):
+        tried.append(lr)
+        return {"curve": [{"align_overall": scores[lr]}], "cfg_scores": {f"{frozen.sample.cfg_scale:g}": scores[lr]}}
+
+    monkeypatch.setattr(runner.Runner, "run", run)
+    result = sweeps.sweep(size, tmp_path, ["prx"], rate="muon_lr", seeds=(100,), log=lambda s: None)["prx"]
+    assert sorted(set(tried)) == [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2]  # reaches 1.6e-2, then one past it
+    assert result["muon_lr"] == held and result["inside_grid"]
+    plain = sweeps.sweep(dataclasses.replace(size, sweep_from={}), tmp_path / "plain", ["prx"], rate="muon_lr",
+                         seeds=(100,), log=lambda s: None)["prx"]  # fmt: skip
+    assert plain["muon_lr"] == 2e-3  # without it the local winner stands
+
+
 def test_a_sweep_over_two_seeds_scores_each_rate_by_its_mean(tmp_path, monkeypatch):
     """On one seed a rate next to the divergence cliff wins by a little; on the other it stalls. Scored on the mean
     over both seeds the sweep picks the rate that holds on both, runs every rate on every seed, and averages the

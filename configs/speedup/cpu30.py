@@ -35,6 +35,8 @@ PROTOCOL = Protocol(
     methods=("latent+muon", "recipe", "recipe+muon"),  # with baseline A: the 2x2
     further=cpu.PROTOCOL.further,
     cfg_scales=cpu.PROTOCOL.cfg_scales,
+    # Muon's rate during each Muon arm's AdamW sweep: the values frozen when the sweeps began (the first protocol's)
+    sweep_from={"latent+muon": {"muon_lr": 1.6e-2}, "recipe+muon": {"muon_lr": 8e-3}},
 )
 # The vocabulary: the palette's most distinct colors (backgrounds and objects) and the three shapes of distinct
 # symmetry (the reader's least confusable); the jittered rendering, where baseline A passes the gate in the budget

@@ -26,7 +26,10 @@ class Protocol:
     so nothing chosen on a seed is reported on it; baseline: the method the others are timed against; methods: the
     headline comparison (the 2x2 of {latent DiT, JIT-DDT recipe} x {AdamW, Muon}); further: the other methods of
     the size (baseline B, the PRX variant, ablations), run by their own command; sweep_lrs: the LR grid every
-    method's sweep starts from (each rate of a Muon arm too); cfg_scales: the guidance scales every method tries;
+    method's sweep starts from (each rate of a Muon arm too); sweep_from: per Muon arm, the rate of the group not
+    being swept that each of its sweeps holds ({"muon_lr": v}: Muon's rate during the AdamW group's sweep, the value
+    frozen when that sweep began), so freezing the winners later changes none of the sweep's runs, and Muon's grid
+    reaches v (sweeps.py); cfg_scales: the guidance scales every method tries;
     gate_final / gate_gain: the per-seed validity gate (analysis.py); min_recon_align: the autoencoder's
     reconstruction check."""
 
@@ -43,6 +46,7 @@ class Protocol:
     methods: tuple[str, ...] = ("latent+muon", "recipe", "recipe+muon")
     further: tuple[str, ...] = ()
     sweep_lrs: tuple[float, ...] = (5e-4, 1e-3, 2e-3, 4e-3)
+    sweep_from: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     cfg_scales: tuple[float, ...] = (1.5, 3.0, 5.0)
     gate_final: float = 0.45
     gate_gain: float = 0.2
@@ -92,13 +96,14 @@ def build_config(size: Protocol, method: str, seed: int, extra: tuple[str, ...] 
                  rate: str = "lr"):  # fmt: skip
     """The config of one run: the size file's config for `method` (its model, data, frozen LR and guidance), then
     the protocol's budget and checkpoint cadence (a checkpoint at every evaluation), the seed (model and data),
-    `lr` when given (the sweep) as the optimizer's `rate` (one of RATES; the other keeps its frozen value), and
-    `extra` overrides."""
+    `lr` when given (the sweep) as the optimizer's `rate` (one of RATES; the other keeps its frozen value, or the
+    value the size's `sweep_from` says the sweep of `rate` holds it at), and `extra` overrides."""
     if rate not in RATES:
         raise ValueError(f"unknown rate {rate!r}: a sweep varies one of {RATES}")
     items = [f"train.steps={size.steps}", f"train.ckpt_every={size.eval_every}", f"seed={seed}", f"data.seed={seed}"]
     if lr is not None:
-        items.append(f"optim.{rate}={lr!r}")
+        held = {k: v for k, v in size.sweep_from.get(method, {}).items() if k != rate}
+        items += [f"optim.{k}={v!r}" for k, v in held.items()] + [f"optim.{rate}={lr!r}"]
     cfg = config_lib.load_config(f"{size.config}:{method}", [*items, *extra])
     if lr is not None and rate == "muon_lr" and cfg.optim.name != "muon":
         raise ValueError(f"{method} trains with {cfg.optim.name}, not Muon: sweep its rate with --rate lr")

@@ -28,7 +28,10 @@ def sweep(
 ) -> dict:
     """For each method, on `seeds` (default: the size's tuning seeds, never the headline's): the grid of `rate`
     (each run evaluated at the end only, with the tuning noise seed; a rate's score is its mean over the seeds),
-    extended by factors of 2 while the best sits at an edge (at most `max_extend` times), then the guidance scales
+    extended by factors of 2 while the best sits at an edge (at most `max_extend` times); a Muon arm's grid of a rate
+    reaches, in factors of 2, the value the size's `sweep_from` says its other sweep held that rate at (that point is
+    the other sweep's winner's run: reused, not trained again; a coordinate sweep never drops a point it measured),
+    then the guidance scales
     on the winner's final EMA weights (mean over the seeds; each sweep run's record holds its scores). Two seeds
     choose a rate that holds on both where one seed may pick a rate at the edge of stability. `rate` is one of
     RATES ("muon_lr" sweeps Muon's group with the main group at its frozen rate; sweep_all chains both). `archive`:
@@ -43,7 +46,7 @@ def sweep(
         frozen = build_config(size, method, seeds[0], extra)  # the incumbent rate and scale win exact ties
         per_seed: dict[int, dict[float, float]] = {seed: {} for seed in seeds}
         records: dict[tuple[int, float], dict] = {}
-        grid = sorted(size.sweep_lrs)
+        grid = _reaching(sorted(size.sweep_lrs), size.sweep_from.get(method, {}).get(rate))
         for _ in range(max_extend + 1):
             for lr in grid:
                 for seed in seeds:
@@ -146,6 +149,15 @@ def pick(scores: dict, incumbent):
     top = max(scores.values())
     tied = [k for k, v in scores.items() if v == top]
     return incumbent if incumbent in tied else tied[0]
+
+
+def _reaching(grid: list[float], held: float | None) -> list[float]:
+    """`grid` extended by factors of 2 until it reaches `held` (None: unchanged)."""
+    if held is None:
+        return grid
+    above = [held / 2**k for k in range(64) if held / 2**k > grid[-1] * 1.5]
+    below = [held * 2**k for k in range(64) if held * 2**k < grid[0] / 1.5]
+    return sorted({*grid, *above, *below, held})
 
 
 def _by_rate(scores: dict[float, float]) -> dict[str, float]:
