@@ -33,7 +33,8 @@ def test_the_headline_runs_on_fresh_seeds_and_refuses_a_tuning_seed(tmp_path):
 
 
 def test_every_method_gets_the_same_sweep_and_a_muon_arm_sweeps_both_rates(tmp_path, monkeypatch):
-    size = dataclasses.replace(_size(), sweep_lrs=(1e-3, 2e-3, 4e-3))
+    # no held Muon rate to reach (`sweep_from`: tests/test_speedup.py), so Muon's grid is the size's grid
+    size = dataclasses.replace(_size(), sweep_lrs=(1e-3, 2e-3, 4e-3), sweep_from={})
     calls = []
 
     def fake_run(self, method, seed, lr=None, *, evals=None, rate="lr", tuning=False):
