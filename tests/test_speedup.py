@@ -109,7 +109,7 @@ def test_methods_differ_only_in_their_techniques_and_every_size_builds():
     assert (lat30.optim.lr, lat30.sample.cfg_scale) == (frozen["lr"], frozen["cfg_scale"])
     assert lat_muon.optim.lr == cpu30.FROZEN["latent+muon"]["lr"]
     assert lat_muon.optim.muon_lr == cpu30.FROZEN["latent+muon"]["muon_lr"] != lat_muon.optim.lr
-    # the recipe with Muon: its own sweep's rates and guidance, not the PRX variant's it started from
+    # the recipe with Muon: its own sweep's rates and guidance (the PRX variant's rates, its own guidance)
     rec_muon = protocol.build_config(s30, "recipe+muon", 0)
     got = {"lr": rec_muon.optim.lr, "muon_lr": rec_muon.optim.muon_lr, "cfg_scale": rec_muon.sample.cfg_scale}
     assert rec_muon.optim.name == "muon" and got == cpu30.FROZEN["recipe+muon"] != cpu30.FROZEN["prx"]

@@ -16,8 +16,8 @@ longer the 30 minutes the name recalls.
 
 `get_config(method)`: a method of configs/recipe/common.py, as in configs/speedup/cpu.py.
 FROZEN: baseline A's, the recipe's and the recipe with Muon's rates and guidance from their sweeps at this budget on
-the tuning seeds 100 and 101 (2026-12-06, docs/speedup_log.md: 10, 8 and 18 runs, the last two of them reused from
-its AdamW group's sweep); baseline A with Muon's from this size's sweep under the first protocol (1,000 steps, seeds 0
+the tuning seeds 100 and 101 (2026-12-06, docs/speedup_log.md: 10, 8 and 20 runs, two of the last reused from its
+AdamW group's sweep); baseline A with Muon's from this size's sweep under the first protocol (1,000 steps, seeds 0
 and 1, training captions, the fixed rendering) until its own finishes. An ablation takes its method's (`recipe-<t>`
 the recipe's, `prx-<t>` the PRX variant's), the other further methods the `cpu` size's.
 """
@@ -60,9 +60,10 @@ FROZEN = {  # each method's rates and guidance, as this size's sweeps chose them
 # baseline A with Muon for its 2D weights: the first protocol's values (its AdamW rate then baseline A's) until its
 # own sweep at this budget, which runs its AdamW group's grid, then Muon's
 FROZEN["latent+muon"] = {"lr": 2e-3, "muon_lr": 1.6e-2, "cfg_scale": 3.0}
-# the recipe with Muon: its AdamW group's grid (Muon at the PRX variant's 8e-3), then Muon's group's (AdamW pinned at
-# the winner), both winners inside their grids; guidance 2 by 0.0007 over 1.5 on the winner (the rule takes the best)
-FROZEN["recipe+muon"] = {"lr": 1e-3, "muon_lr": 4e-3, "cfg_scale": 2.0}
+# the recipe with Muon: its AdamW group's grid (Muon held at the PRX variant's 8e-3), then Muon's group's (AdamW
+# pinned at the winner), both winners inside their grids, rescored at the guidance the first pass chose (2): Muon's
+# winner is the rate the AdamW sweep held, by 0.001 over 4e-3
+FROZEN["recipe+muon"] = {"lr": 1e-3, "muon_lr": 8e-3, "cfg_scale": 2.0}
 
 
 def get_config(method=None):
