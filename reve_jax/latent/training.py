@@ -59,8 +59,8 @@ def train(
 
     With `partial` (a file path), the training state is written there every `save_every_s` seconds and at the end
     of the loop, and a training that finds one resumes from it: the step's batch and noise key depend on the step
-    only, so a resumed training ends where an uninterrupted one does (at 64 px it is over an hour of 2 CPU cores,
-    longer than a session may last). `stop_at` ends the loop at that step with the state saved and returns
+    only, so a resumed training ends where an uninterrupted one does (at 64 px it takes hours of a shared 2-core
+    VM, longer than a session may last). `stop_at` ends the loop at that step with the state saved and returns
     (None, info): a deliberate interruption, for tests. The caller deletes `partial` once the weights are saved."""
     lt = cfg.latent
     cfg = cfg.copy_and_resolve_references()
@@ -86,11 +86,9 @@ def train(
         updates, o = opt.update(g, o, p)
         return optax.apply_updates(p, updates), o, mse
 
-    start, seconds_before, resumes = 0, 0.0, 0
+    start, seconds_before, resumes, ae_key = 0, 0.0, 0, cache_key(cfg)
     if partial is not None and Path(partial).is_file():
-        (params, opt_state), start, seconds_before, resumes = _load_partial(
-            partial, (params, opt_state), cache_key(cfg)
-        )
+        (params, opt_state), start, seconds_before, resumes = _load_partial(partial, (params, opt_state), ae_key)
         resumes += 1
         log.info("autoencoder: resumed from step %d of %d (%s)", start, lt.train_steps, partial)
     end = lt.train_steps if stop_at is None else min(stop_at, lt.train_steps)
@@ -102,12 +100,12 @@ def train(
         params, opt_state, mse = step(params, opt_state, x, jax.random.fold_in(key, i))
         progress(i + 1, lambda mse=mse: f"reconstruction mse {float(mse):.5f}")
         if partial is not None and time.perf_counter() - last_save > save_every_s:
-            _save_partial(partial, (params, opt_state), i + 1, seconds_before + time.perf_counter() - t0, resumes,
-                          cache_key(cfg))  # fmt: skip
+            seconds = seconds_before + time.perf_counter() - t0
+            _save_partial(partial, (params, opt_state), i + 1, seconds, resumes, ae_key)
             last_save = time.perf_counter()
     seconds = seconds_before + time.perf_counter() - t0
     if partial is not None and end > start:
-        _save_partial(partial, (params, opt_state), end, seconds, resumes, cache_key(cfg))
+        _save_partial(partial, (params, opt_state), end, seconds, resumes, ae_key)
     if end < lt.train_steps:
         return None, {"steps_done": end, "train_s": seconds}
     model = nnx.merge(graphdef, params, rest)

@@ -168,12 +168,17 @@ class Runner:
                 if not (self.out / "runs" / key / "checkpoints").is_dir():
                     continue
                 rec["cfg_scores"] = guidance_scores(self.out / "runs" / key, size, rec)
-            self._save(key, rec, only_missing=not scored)
-            if rec.get("autoencoder") is not None:  # its one-time cost, reported beside the runs that used it
-                self.autoencoders.setdefault(cfg.latent.path, rec["autoencoder"])
-            self.log(f"[{key}] reused from {path}")
-            return dict(rec, reused=rec.get("invocation") != self.invocation)
+            return self._reuse(key, cfg, rec, f"reused from {path}", only_missing=not scored)
         return self._twin(key, cfg, size, tuning)
+
+    def _reuse(self, key: str, cfg, rec: dict, note: str, only_missing: bool = True) -> dict:
+        """A finished record as run `key`'s: saved under `key` (`only_missing`: where it is not yet), its
+        autoencoder's one-time cost kept to report beside the runs that used it."""
+        self._save(key, rec, only_missing=only_missing)
+        if rec.get("autoencoder") is not None:
+            self.autoencoders.setdefault(cfg.latent.path, rec["autoencoder"])
+        self.log(f"[{key}] {note}")
+        return dict(rec, reused=rec.get("invocation") != self.invocation)
 
     def _twin(self, key: str, cfg, size: Protocol, tuning: bool) -> dict | None:
         """A finished run of the same config under another name, reused (and saved under `key`) instead of
@@ -191,11 +196,7 @@ class Runner:
             if tuning != bool(scales) or not complete(rec, size.steps):
                 continue
             if same_config(rec.get("config"), cfg, any_guidance=f"{cfg.sample.cfg_scale:g}" in scales):
-                self._save(key, rec, only_missing=True)
-                if rec.get("autoencoder") is not None:
-                    self.autoencoders.setdefault(cfg.latent.path, rec["autoencoder"])
-                self.log(f"[{key}] reused from {path}: the same config")
-                return dict(rec, reused=rec.get("invocation") != self.invocation)
+                return self._reuse(key, cfg, rec, f"reused from {path}: the same config")
         return None
 
     def _check_archive(self, key: str, cfg) -> None:
