@@ -395,6 +395,33 @@ def test_the_archive_keeps_the_autoencoder_its_records_used(tmp_path):
     assert [p.name for p in archive.iterdir()] == [trained.name]
 
 
+def test_a_stopped_autoencoder_training_resumes_from_the_archive(tmp_path):
+    """The partial state of an autoencoder training, copied into the archive, is taken into a new machine's cache
+    that has neither the weights nor a partial state of its own; never over a partial state already there, and not
+    once the weights exist (in the cache or the archive)."""
+    from reve_jax.latent import training as latent_training
+
+    size = _size("cpu30")
+    cfg = protocol.build_config(size, "latent", 0)
+    archive = tmp_path / "archive"
+    archive.mkdir()
+    elsewhere = latent_training.cache_path(cfg, tmp_path / "elsewhere")
+    weights_name, partial_name = elsewhere.name, latent_training.partial_path(elsewhere).name
+    (archive / partial_name).write_bytes(b"step 9000")
+    new = runner.Runner(size, tmp_path / "new", archive=archive, log=lambda s: None)
+    new._share_autoencoder(cfg, into_cache=True)
+    cached = latent_training.cache_path(cfg, new.cache_dir)
+    assert latent_training.partial_path(cached).read_bytes() == b"step 9000" and not cached.exists()
+    (archive / partial_name).write_bytes(b"step 9500")  # the cache's own partial state is never overwritten
+    new._share_autoencoder(cfg, into_cache=True)
+    assert latent_training.partial_path(cached).read_bytes() == b"step 9000"
+    done = runner.Runner(size, tmp_path / "done", archive=archive, log=lambda s: None)
+    (archive / weights_name).write_bytes(b"weights")  # finished: the weights are taken, the partial state is not
+    done._share_autoencoder(cfg, into_cache=True)
+    got = latent_training.cache_path(cfg, done.cache_dir)
+    assert got.read_bytes() == b"weights" and not latent_training.partial_path(got).exists()
+
+
 def _newton_schulz_flops(shape, steps):
     """Per orthogonalisation of a (rows, cols) matrix with m = min, n = max: X X^T (2 m^2 n), its square (2 m^3)
     and the product with X (2 m^2 n) at every iteration."""

@@ -214,16 +214,22 @@ class Runner:
         """The archive keeps the autoencoder its records used (its file, a few hundred KB, named by the hash of its
         settings): `into_cache`, one missing from the cache directory is copied there from the archive instead of
         trained again (on another CPU it would come out slightly different); else one the archive lacks is copied
-        there from the cache."""
+        there from the cache. A training stopped before its end leaves its partial state in the cache
+        (`latent_training.partial_path`); copied by hand into the archive, it is taken into a cache that has neither
+        file, so a new machine resumes the training instead of starting it again."""
         if not (self.archive and cfg.latent.path):
             return
         cached = latent_training.cache_path(cfg, self.cache_dir)
-        src, dst = (self.archive / cached.name, cached) if into_cache else (cached, self.archive / cached.name)
-        if src.exists() and not dst.exists():
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dst.with_name(dst.name + ".tmp")
-            shutil.copyfile(src, tmp)
-            tmp.replace(dst)
+        pairs = [(self.archive / cached.name, cached) if into_cache else (cached, self.archive / cached.name)]
+        partial = latent_training.partial_path(cached)
+        if into_cache and not (cached.exists() or (self.archive / cached.name).exists()):
+            pairs.append((self.archive / partial.name, partial))
+        for src, dst in pairs:
+            if src.exists() and not dst.exists():
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                tmp = dst.with_name(dst.name + ".tmp")
+                shutil.copyfile(src, tmp)
+                tmp.replace(dst)
 
     def _save(self, key: str, rec: dict, only_missing: bool = False) -> None:
         """Writes the record to <out>/runs and the archive (`only_missing`: where it is not yet)."""
