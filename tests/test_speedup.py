@@ -491,6 +491,46 @@ def test_sweep_extends_the_grid_until_the_winner_is_inside_then_picks_the_guidan
     assert set(json.loads((tmp_path / "sweep.json").read_text())) == {"latent", "prx@muon_lr"}
 
 
+def test_a_sweep_around_the_frozen_rates_spans_each_method_alike(tmp_path, monkeypatch):
+    """`sweep_around=1`: each method's grid is its frozen rate and the rates a factor of 2 either side (its own prior,
+    the same span for every method), extended like any grid while the winner sits at an edge; a grid given by hand
+    (`--grid`) replaces the span."""
+    size = dataclasses.replace(_size("cpu"), sweep_around=1, cfg_scales=(1.5, 3.0))
+    peak = {"latent": None, "recipe": None}
+    tried = {m: [] for m in peak}
+
+    def run(self, method, seed, lr=None, rate="lr", **kw):
+        tried[method].append(lr)
+        score = 1.0 - abs(np.log2(lr / peak[method])) / 10
+        return {"curve": [{"align_overall": score}], "cfg_scores": {"1.5": score, "3": score - 0.1}}
+
+    monkeypatch.setattr(runner.Runner, "run", run)
+    frozen = {m: protocol.build_config(size, m, 0).optim.lr for m in peak}
+    assert frozen["latent"] != frozen["recipe"], "the test needs two methods with different frozen rates"
+    peak["latent"], peak["recipe"] = frozen["latent"], 4 * frozen["recipe"]  # one inside the span, one above it
+    result = sweeps.sweep(size, tmp_path, list(peak), seeds=(100,), log=lambda s: None)
+    w = frozen["latent"]
+    assert tried["latent"] == [w / 2, w, 2 * w] and result["latent"]["lr"] == w and result["latent"]["inside_grid"]
+    w = frozen["recipe"]
+    assert tried["recipe"] == [w / 2, w, 2 * w, 4 * w, 8 * w] and result["recipe"]["lr"] == 4 * w
+    assert size.sweep_grid(1e-3) == [5e-4, 1e-3, 2e-3]
+    assert dataclasses.replace(size, sweep_around=0).sweep_grid(1e-3) == sorted(size.sweep_lrs)
+
+
+def test_the_sweep_dry_run_names_the_span_or_the_grid_given_by_hand(monkeypatch, capsys):
+    from reve_jax.speedup import cli
+
+    load = protocol.load_protocol
+    monkeypatch.setattr(protocol, "load_protocol", lambda path: dataclasses.replace(load(path), sweep_around=1))
+    for argv, says in (
+        ([], "x2^-1..x2^1 around each method's frozen rate"),
+        (["--grid", "1e-3,2e-3"], "[0.001, 0.002]"),
+    ):
+        with pytest.raises(SystemExit) as done:
+            cli.main(["--size", "cpu30", "--sweep", "--methods", "latent,recipe", "--dry-run", *argv])
+        assert done.value.code == 0 and f"sweep every rate {says} and guidance" in capsys.readouterr().out
+
+
 def test_a_muon_arms_sweeps_hold_the_rate_they_began_with_and_reach_it(tmp_path, monkeypatch):
     """`sweep_from`: the AdamW group's sweep holds Muon's rate at the value recorded there, whatever is frozen since
     (freezing the winners changes none of its runs); Muon's grid reaches that value in factors of 2, so the point the

@@ -21,12 +21,19 @@ def size_path(size: str) -> Path:
     return path
 
 
+def _grid_words(size) -> str:
+    if size.sweep_around:
+        return f"x2^-{size.sweep_around}..x2^{size.sweep_around} around each method's frozen rate"
+    return str(list(size.sweep_lrs))
+
+
 def dry_run(size, methods, extra: tuple[str, ...], args) -> None:
     """Load every run config of the command (the baseline and the methods, first seed), check its mesh and batch
     split, and exit 0."""
     if args.dinov2 and not Path(args.dinov2).is_file():
         raise SystemExit(f"error: input not found: {args.dinov2}")
-    lr = size.sweep_lrs[0] if args.sweep else None  # a sweep run's config: the grid's first rate
+    # a sweep run's config: the grid's first rate (`sweep_around`: each method's grid is centred on its frozen rate)
+    lr = size.sweep_lrs[0] if args.sweep and not size.sweep_around else None
     for method in dict.fromkeys(methods if args.sweep else (size.baseline, *methods)):
         try:
             cfg = protocol.build_config(size, method, size.seeds[0], extra, lr, args.rate or "lr")
@@ -34,7 +41,7 @@ def dry_run(size, methods, extra: tuple[str, ...], args) -> None:
             raise SystemExit(f"config error ({method}): {e}") from None
         mesh = cli.check_mesh_or_exit(cfg)
     what = (
-        f"sweep {args.rate or 'every rate'} {list(size.sweep_lrs)} and guidance {list(size.cfg_scales)} of "
+        f"sweep {args.rate or 'every rate'} {_grid_words(size)} and guidance {list(size.cfg_scales)} of "
         f"{', '.join(methods)} on seeds {list(size.seeds if args.seeds else size.tune_seeds)}"
         if args.sweep
         else f"train {', '.join(dict.fromkeys((size.baseline, *methods)))} on seeds {list(size.seeds)}"
@@ -62,7 +69,11 @@ def main(argv=None, doc: str = __doc__):
         help="sweep one rate only: lr (the main group's) or muon_lr (Muon's, lr kept frozen); default: every rate "
         "of each method, the same way (lr, then a Muon arm's muon_lr with lr at its winner)",
     )
-    p.add_argument("--grid", help="comma-separated rates the sweep starts from (default: the size's sweep_lrs)")
+    p.add_argument(
+        "--grid",
+        help="comma-separated rates the sweep starts from (default: the size's sweep_lrs, or its sweep_around span "
+        "around each method's frozen rate)",
+    )
     p.add_argument("--baseline", help="time the methods against this one (default: the size's baseline)")
     p.add_argument("--seeds", help="comma-separated seeds (default: the size's; the sweep's: its tuning seeds)")
     p.add_argument("--steps", type=int, help="training steps per run (default: the size's)")
@@ -122,6 +133,7 @@ def main(argv=None, doc: str = __doc__):
         "n_eval": args.n_eval,
         "baseline": args.baseline,
         "sweep_lrs": tuple(float(x) for x in args.grid.split(",")) if args.grid else None,
+        "sweep_around": 0 if args.grid else None,  # a grid given by hand replaces the span around the frozen rate
     }
     size = dataclasses.replace(size, **{k: v for k, v in changes.items() if v is not None})
     methods = None

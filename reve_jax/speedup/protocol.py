@@ -20,18 +20,19 @@ PRIMARY = "align_overall"
 class Protocol:
     """A benchmark size's protocol (see the module docstring); the run configs come from the same file.
 
-    steps: the budget of every run; evals: evaluations over it (every steps/evals steps); n_eval / n_final: captions
-    of the `split` compositions (unseen: never in the training stream) per evaluation / at the end; seeds: the
-    headline's (fresh: never a tuning seed); tune_seeds and tune_eval_seed: the sweeps' seeds and evaluation noise,
-    so nothing chosen on a seed is reported on it; baseline: the method the others are timed against; methods: the
-    headline comparison (the 2x2 of {latent DiT, JIT-DDT recipe} x {AdamW, Muon}); further: the other methods of
-    the size (baseline B, the PRX variant, ablations), run by their own command; sweep_lrs: the LR grid every
-    method's sweep starts from (each rate of a Muon arm too); sweep_from: per Muon arm, the rate of the group not
-    being swept that each of its sweeps holds ({"muon_lr": v}: Muon's rate during the AdamW group's sweep, the value
-    frozen when that sweep began), so freezing the winners later changes none of the sweep's runs, and Muon's grid
-    reaches v (sweeps.py); cfg_scales: the guidance scales every method tries;
-    gate_final / gate_gain: the per-seed validity gate (analysis.py); min_recon_align: the autoencoder's
-    reconstruction check."""
+    steps: the budget of every run; evals: evaluations over it (every steps/evals steps); n_eval / n_final: captions of
+    the `split` compositions (unseen: never in the training stream) per evaluation / at the end; seeds: the headline's
+    (fresh: never a tuning seed); tune_seeds and tune_eval_seed: the sweeps' seeds and evaluation noise, so nothing
+    chosen on a seed is reported on it; baseline: the method the others are timed against; methods: the headline
+    comparison (the 2x2 of {latent DiT, JIT-DDT recipe} x {AdamW, Muon}); further: the other methods of the size
+    (baseline B, the PRX variant, ablations), run by their own command; sweep_lrs: the LR grid every method's sweep
+    starts from (each rate of a Muon arm too); sweep_around: k > 0 starts each method's sweep instead from the 2k + 1
+    rates in factors of 2 centred on its frozen rate (a size whose rates come from a smaller size's sweeps: every method
+    gets the same span around its own prior, a cheaper sweep of equal effort); sweep_from: per Muon arm, the rate of the
+    group not being swept that each of its sweeps holds ({"muon_lr": v}: Muon's rate during the AdamW group's sweep, the
+    value frozen when that sweep began), so freezing the winners later changes none of the sweep's runs, and Muon's grid
+    reaches v (sweeps.py); cfg_scales: the guidance scales every method tries; gate_final / gate_gain: the per-seed
+    validity gate (analysis.py); min_recon_align: the autoencoder's reconstruction check."""
 
     name: str
     steps: int
@@ -46,6 +47,7 @@ class Protocol:
     methods: tuple[str, ...] = ("latent+muon", "recipe", "recipe+muon")
     further: tuple[str, ...] = ()
     sweep_lrs: tuple[float, ...] = (5e-4, 1e-3, 2e-3, 4e-3)
+    sweep_around: int = 0
     sweep_from: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     cfg_scales: tuple[float, ...] = (1.5, 3.0, 5.0)
     gate_final: float = 0.45
@@ -57,6 +59,13 @@ class Protocol:
     @property
     def eval_every(self) -> int:
         return max(1, self.steps // self.evals)
+
+    def sweep_grid(self, frozen_rate: float) -> list[float]:
+        """The rates a method's sweep starts from: `sweep_lrs`, or with `sweep_around` the span around its frozen
+        rate."""
+        if self.sweep_around > 0:
+            return [frozen_rate * 2.0**k for k in range(-self.sweep_around, self.sweep_around + 1)]
+        return sorted(self.sweep_lrs)
 
     def check_seeds(self, seeds) -> None:
         """A headline on a tuning seed would report what was chosen on it: refuse."""

@@ -26,7 +26,8 @@ def sweep(
     archive=None,
     log: Callable[[str], None] = print,
 ) -> dict:
-    """For each method, on `seeds` (default: the size's tuning seeds, never the headline's): the grid of `rate`
+    """For each method, on `seeds` (default: the size's tuning seeds, never the headline's): the grid of `rate` (the
+    size's `sweep_grid`: its `sweep_lrs`, or the span `sweep_around` the method's frozen rate)
     (each run evaluated at the end only, with the tuning noise seed; a rate's score is its mean over the seeds),
     extended by factors of 2 while the best sits at an edge (at most `max_extend` times); a Muon arm's grid of a rate
     reaches, in factors of 2, the value the size's `sweep_from` says its other sweep held that rate at (that point is
@@ -46,7 +47,7 @@ def sweep(
         frozen = build_config(size, method, seeds[0], extra)  # the incumbent rate and scale win exact ties
         per_seed: dict[int, dict[float, float]] = {seed: {} for seed in seeds}
         records: dict[tuple[int, float], dict] = {}
-        grid = _reaching(sorted(size.sweep_lrs), size.sweep_from.get(method, {}).get(rate))
+        grid = _reaching(size.sweep_grid(getattr(frozen.optim, rate)), size.sweep_from.get(method, {}).get(rate))
         for _ in range(max_extend + 1):
             for lr in grid:
                 for seed in seeds:
