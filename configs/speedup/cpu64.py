@@ -5,10 +5,17 @@ autoencoder (checked for its reconstructions before any run) in 2x2 patches, 64 
 recipe's ratio over the latent baseline grow with resolution, as Linum's 3.6x at 512 px suggests? Not yet run, nor
 its baseline A calibrated (whether it passes the gate in this budget and rendering).
 
-    python scripts/bench_speedup.py --size cpu64 --out runs/speedup_cpu64                       # the 2x2 headline
-    python scripts/bench_speedup.py --size cpu64 --out runs/sweep_cpu64 --sweep                 # every method's sweep
+    python scripts/bench_speedup.py --size cpu64 --out runs/speedup_cpu64 --archive docs/results/cpu64        # headline
+    python scripts/bench_speedup.py --size cpu64 --out runs/sweep_cpu64 --sweep --archive docs/results/cpu64 # sweeps
 
-FROZEN: cpu30's rates and guidance until this size's own sweeps.
+The protocol is cpu30's (tuning seeds apart from the headline's, the per-seed gate, the plateau target, unseen
+captions) with two reductions, both alike for every method, for its cost (a 64 px run costs more than a 32 px one,
+and cpu30's 2x2 with its sweeps is about 60 runs): the headline is the trend's question, the recipe against baseline
+A, both with AdamW (the Muon arms are further methods: `--methods latent+muon,recipe+muon` after their sweeps); each
+sweep starts from its method's cpu30 rate and the rates a factor of 2 either side (`sweep_around=1`), extended like
+any grid while its winner sits at an edge, with the same guidance scales.
+
+FROZEN: cpu30's rates and guidance (the sweeps' centres) until this size's own sweeps.
 """
 
 import dataclasses
@@ -16,7 +23,14 @@ import dataclasses
 from configs.recipe import common
 from configs.speedup import cpu, cpu30, shared
 
-PROTOCOL = dataclasses.replace(cpu30.PROTOCOL, name="cpu64")
+PROTOCOL = dataclasses.replace(
+    cpu30.PROTOCOL,
+    name="cpu64",
+    methods=("recipe",),  # with baseline A: the trend's pair
+    further=("latent+muon", "recipe+muon", *cpu30.PROTOCOL.further),
+    sweep_around=1,
+    sweep_from={},  # a Muon arm's held Muon rate: set here, as a literal, when its sweep begins (cpu30.py)
+)
 FROZEN = dict(cpu30.FROZEN)
 # Baseline A's autoencoder at 64 px: the CPU sizes' (width 16, its training) with one level more, 4x down to 16
 # channels (the same 16x16 latent grid as at 32 px), at a quarter of their rate: at their 4e-3 its training spiked
