@@ -15,11 +15,10 @@ longer the 30 minutes the name recalls.
     python scripts/bench_speedup.py --size cpu30 --out runs/sweep30 --sweep --archive docs/results/cpu30  # sweeps
 
 `get_config(method)`: a method of configs/recipe/common.py, as in configs/speedup/cpu.py.
-FROZEN: baseline A's, the recipe's and the recipe with Muon's rates and guidance from their sweeps at this budget on
-the tuning seeds 100 and 101 (2026-12-06, docs/speedup_log.md: 10, 8 and 20 runs, two of the last reused from its
-AdamW group's sweep); baseline A with Muon's from this size's sweep under the first protocol (1,000 steps, seeds 0
-and 1, training captions, the fixed rendering) until its own finishes. An ablation takes its method's (`recipe-<t>`
-the recipe's, `prx-<t>` the PRX variant's), the other further methods the `cpu` size's.
+FROZEN: the 2x2's rates and guidance from their sweeps at this budget on the tuning seeds 100 and 101 (2026-12-06,
+docs/speedup_log.md): baseline A 10 runs, the recipe 8, the recipe with Muon 20 and baseline A with Muon 24 (two of
+each Muon arm's reused from its AdamW group's sweep). An ablation takes its method's (`recipe-<t>` the recipe's,
+`prx-<t>` the PRX variant's), the other further methods the `cpu` size's.
 """
 
 from configs.speedup import cpu
@@ -57,9 +56,10 @@ FROZEN = {  # each method's rates and guidance, as this size's sweeps chose them
     # Its ablations without TREAD or Muon take these rates (Muon's unused without Muon).
     "prx": {"lr": 1e-3, "muon_lr": 8e-3, "cfg_scale": 1.5},
 }
-# baseline A with Muon for its 2D weights: the first protocol's values (its AdamW rate then baseline A's) until its
-# own sweep at this budget, which runs its AdamW group's grid, then Muon's
-FROZEN["latent+muon"] = {"lr": 2e-3, "muon_lr": 1.6e-2, "cfg_scale": 3.0}
+# baseline A with Muon for its 2D weights: its AdamW group's grid (Muon held at 1.6e-2, the first protocol's), then
+# Muon's group's (AdamW pinned at the winner, extended once to 3.2e-2), both winners inside their grids (24 runs, 22
+# trained); guidance 3 stays. Its Muon grid dips at 8e-3 (0.666 between 0.826 and 0.865): seed noise of this size
+FROZEN["latent+muon"] = {"lr": 4e-3, "muon_lr": 1.6e-2, "cfg_scale": 3.0}
 # the recipe with Muon: its AdamW group's grid (Muon held at the PRX variant's 8e-3), then Muon's group's (AdamW
 # pinned at the winner), both winners inside their grids, rescored at the guidance the first pass chose (2): Muon's
 # winner is the rate the AdamW sweep held, by 0.001 over 4e-3
