@@ -2,8 +2,9 @@
 rendering) and protocol at twice the resolution. The pixel models keep their token count with a larger patch (16 px
 patches, 768 values per token through the rank-32 bottleneck); baseline A diffuses the 16x16x16 latents of a 4x-down
 autoencoder (checked for its reconstructions before any run) in 2x2 patches, 64 tokens as at 32 px. Does the pixel
-recipe's ratio over the latent baseline grow with resolution, as Linum's 3.6x at 512 px suggests? Not yet run, nor
-its baseline A calibrated (whether it passes the gate in this budget and rendering).
+recipe's ratio over the latent baseline grow with resolution, as Linum's 3.6x at 512 px suggests? Not yet run: its
+autoencoder passes the check (0.996), but baseline A's calibration at these settings fails the gate (seed 102 ends at
+0.337, seed 103 reads 0.319 at step 3,300; docs/speedup_log.md, 2026-12-06), so the budget or rendering is still open.
 
     python scripts/bench_speedup.py --size cpu64 --out runs/speedup_cpu64 --archive docs/results/cpu64        # headline
     python scripts/bench_speedup.py --size cpu64 --out runs/sweep_cpu64 --sweep --archive docs/results/cpu64 # sweeps
