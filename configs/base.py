@@ -148,6 +148,9 @@ def get_config() -> ml_collections.ConfigDict:
     lt.train_steps = 3000
     lt.train_batch = 64
     lt.train_lr = 2e-3
+    # the rendering the autoencoder trains on ("" = data.render): a fixed-rendering run can use the autoencoder of
+    # the jittered one (its images are among the jittered ones), checked again on the run's own images
+    lt.train_render = ""
     lt.train_noise = 0.1  # std of the noise added to latents while training the decoder (x the latents' std)
     lt.latent_l2 = 1e-4  # weight of the L2 pull on the raw latents
     lt.l1_weight = 0.0  # weight of an L1 reconstruction term beside the MSE (sharper edges)

@@ -28,6 +28,7 @@ CHOICES = {
     "text.encoder": ("builtin", "precomputed"),
     "data.name": ("synthetic", "shards"),
     "data.render": ("jitter", "fixed"),
+    "latent.train_render": ("", "jitter", "fixed"),
     "diffusion.prediction": ("x", "v", "eps"),
     "diffusion.loss_space": ("x", "v", "eps"),
     "diffusion.t_sampler": ("logit_normal", "uniform"),
@@ -261,6 +262,7 @@ ADDED_KEYS = {
     "text.frozen_encoder_path": "",
     "latent.path": "",  # pixel space
     "latent.res_blocks": 0,  # the plain convolution stack
+    "latent.train_render": "",  # the autoencoder trained on the run's own rendering
     "loss.repa_weight": 0.0,
     "loss.repa_target": "dinov2",
     "loss.dino_target": "dinov2",

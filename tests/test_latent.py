@@ -188,3 +188,32 @@ def test_an_interrupted_autoencoder_training_resumes_where_it_stopped(tmp_path):
     loaded, _ = autoencoder.load(path)
     for x, y in zip(jax.tree.leaves(nnx.state(straight)), jax.tree.leaves(nnx.state(loaded)), strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_a_fixed_rendering_run_can_use_the_jittered_renderings_autoencoder(tmp_path):
+    """latent.train_render: the autoencoder trains on the rendering it names (not the run's), shares the cache entry
+    of a run of that rendering, and `cached` checks it again on the run's own images, keeping the stored check."""
+    short = ("latent.train_steps=3", "latent.train_batch=4")
+    jitter = tiny_config(*AE, *short, "data.render='jitter'")
+    fixed = tiny_config(*AE, *short, "data.render='fixed'")
+    borrowed = tiny_config(*AE, *short, "data.render='fixed'", "latent.train_render='jitter'")
+    assert latent_training.cache_key(borrowed) == latent_training.cache_key(jitter)
+    assert latent_training.cache_key(borrowed) != latent_training.cache_key(fixed)
+    mj, _ = latent_training.train(jitter)
+    mb, _ = latent_training.train(borrowed)
+    mf, _ = latent_training.train(fixed)
+    for x, y in zip(jax.tree.leaves(nnx.state(mj)), jax.tree.leaves(nnx.state(mb)), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert any(
+        not np.array_equal(np.asarray(x), np.asarray(y))
+        for x, y in zip(jax.tree.leaves(nnx.state(mj)), jax.tree.leaves(nnx.state(mf)), strict=True)
+    )
+    path, info_j = latent_training.cached(jitter, tmp_path)
+    assert "check_train" not in info_j
+    stamp = path.stat().st_mtime_ns
+    again, info_b = latent_training.cached(borrowed, tmp_path)
+    assert again == path and path.stat().st_mtime_ns == stamp  # the same file, not trained again
+    assert info_b["check_train"] == info_j["check"]
+    model, _ = autoencoder.load(path)
+    assert info_b["check"] == latent_training.check_reconstructions(fixed, model)
+    assert info_b["check"]["psnr"] != info_j["check"]["psnr"]  # measured on other images

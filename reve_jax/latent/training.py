@@ -22,9 +22,22 @@ from reve_jax.progress import Progress
 log = logging.getLogger("reve_jax")
 
 
+def training_config(cfg):
+    """`cfg` as the autoencoder's training reads it: TRAIN_SEED for its seeds (see `train`) and its own rendering,
+    `latent.train_render`, where one is set."""
+    cfg = cfg.copy_and_resolve_references()
+    with cfg.unlocked():
+        cfg.seed = cfg.data.seed = TRAIN_SEED
+        if cfg.latent.get("train_render"):
+            cfg.data.render = cfg.latent.train_render
+    return cfg
+
+
 def _data_key(cfg) -> dict:
     """What decides the autoencoder: the data it sees and its own settings (not the diffusion model's, nor the run's
-    seeds: see `train`)."""
+    seeds: see `train`). `latent.train_render` counts as the rendering it names, so a fixed-rendering run that trains
+    on the jittered images shares the jittered run's autoencoder."""
+    cfg = training_config(cfg)
     keys = ("name", "path", "image_size", "num_samples", "max_objects", "min_objects", "render", "shapes")
     data = {k: cfg.data[k] for k in keys if k in cfg.data}
     if cfg.data.get("colors"):  # the palette, keyed only when restricted: the keys of full-palette caches stand
@@ -32,7 +45,8 @@ def _data_key(cfg) -> dict:
     if cfg.data.get("heldout_frac", 0.0):  # the compositions its training never saw; keyed only when some are
         data["heldout"] = [cfg.data.heldout_frac, cfg.data.heldout_seed]
     data = {k: list(v) if isinstance(v, tuple) else v for k, v in data.items()}
-    return {"data": data, "latent": {k: v for k, v in cfg.latent.to_dict().items() if k != "path"}}
+    own = {k: v for k, v in cfg.latent.to_dict().items() if k not in ("path", "train_render")}
+    return {"data": data, "latent": own}
 
 
 def cache_key(cfg) -> str:
@@ -63,9 +77,7 @@ def train(
     VM, longer than a session may last). `stop_at` ends the loop at that step with the state saved and returns
     (None, info): a deliberate interruption, for tests. The caller deletes `partial` once the weights are saved."""
     lt = cfg.latent
-    cfg = cfg.copy_and_resolve_references()
-    with cfg.unlocked():
-        cfg.seed = cfg.data.seed = TRAIN_SEED
+    cfg = training_config(cfg)
     model = autoencoder.Autoencoder(ae_config(cfg), rngs=nnx.Rngs(cfg.seed))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     sched = optax.cosine_decay_schedule(lt.train_lr, lt.train_steps, alpha=0.05)
@@ -201,16 +213,22 @@ def cache_path(cfg, cache_dir: str | Path) -> Path:
 
 def cached(cfg, cache_dir: str | Path) -> tuple[Path, dict]:
     """The autoencoder for `cfg`'s data and latent settings from `cache_dir`, trained and checked there first when
-    missing (training cost and reconstruction scores in its info). Returns (path, info)."""
+    missing (training cost and reconstruction scores in its info). One trained on another rendering than the run's
+    (`latent.train_render`) is checked again on the run's images: that check is info["check"], the stored one
+    info["check_train"]. Returns (path, info)."""
     path = cache_path(cfg, cache_dir)
     if path.is_file():
-        return path, autoencoder.load(path)[1]["info"]
-    log.info("training the autoencoder (%d steps) into %s", cfg.latent.train_steps, path)
-    partial = partial_path(path)
-    model, info = train(cfg, partial=partial)
-    info["check"] = check_reconstructions(cfg, model)
-    autoencoder.save(model, path, info)
-    partial.unlink(missing_ok=True)
+        model, meta = autoencoder.load(path)
+        info = meta["info"]
+    else:
+        log.info("training the autoencoder (%d steps) into %s", cfg.latent.train_steps, path)
+        partial = partial_path(path)
+        model, info = train(cfg, partial=partial)
+        info["check"] = check_reconstructions(training_config(cfg), model)
+        autoencoder.save(model, path, info)
+        partial.unlink(missing_ok=True)
+    if training_config(cfg).data.render != cfg.data.render:  # trained on other images than the run's: check on its
+        info = {**info, "check_train": info.get("check"), "check": check_reconstructions(cfg, model)}
     return path, info
 
 
