@@ -109,3 +109,73 @@ def test_the_interval_resamples_captions_within_each_evaluation():
     assert lo == pytest.approx(c) and hi == pytest.approx(c)
     c2, lo2, hi2 = with_captions["methods"]["x"]["speedup"]["step"]
     assert c2 == pytest.approx(c) and hi2 - lo2 > 0.1 * c
+
+
+def _reaching(step, top=0.9):
+    """A curve that rises linearly to 0.8 at `step` (exactly at an evaluation or between two), then to `top`."""
+    return [min(top, 0.8 * (i + 1) * 100 / step) for i in range(10)]
+
+
+TWO_BY_TWO = (
+    ("pixel, AdamW", "base", "pix"),
+    ("pixel, Muon", "base_m", "pix_m"),
+    ("Muon, latent", "base", "base_m"),
+    ("Muon, pixel", "pix", "pix_m"),
+)
+
+
+def test_the_2x2_is_read_as_four_factors_each_a_ratio_of_two_cells_times():
+    # baseline 600 steps to its plateau; baseline with Muon 300, pixel 400 (seed 2: 480), pixel with Muon 200:
+    # pixel x1.5 (seed 2: x1.25) with AdamW, x1.5 with Muon; Muon x2 on the latent, x2 (seed 2: x2.4) on pixels
+    runs = []
+    for s in range(3):
+        cells = {
+            "base": BASE,
+            "base_m": _reaching(300),
+            "pix": _reaching(480 if s == 2 else 400),
+            "pix_m": _reaching(200),
+        }
+        runs += [{"method": m, "seed": s, "curve": _curve(c)} for m, c in cells.items()]
+    res = analysis.analyze(runs, "base", "align_overall", 1000, **GATE, factors=TWO_BY_TWO)
+    got = {f["name"]: f for f in res["factors"]}
+    assert list(got) == [name for name, *_ in TWO_BY_TWO]
+    expect = {"pixel, AdamW": [1.5, 1.5, 1.25], "pixel, Muon": [1.5] * 3, "Muon, latent": [2.0] * 3,
+              "Muon, pixel": [2.0, 2.0, 2.4]}  # fmt: skip
+    for name, per_seed in expect.items():
+        f = got[name]
+        assert [p["ratio"]["step"] for p in f["per_seed"]] == pytest.approx(per_seed)
+        assert f["ratio"]["step"] == pytest.approx((math.exp(np.mean(np.log(per_seed))), min(per_seed), max(per_seed)))
+        assert f["interval"] == "range" and f["bound"] is None
+        assert f["ratio"]["wall_s"][0] == pytest.approx(f["ratio"]["step"][0])  # same seconds per step in every cell
+
+
+def test_a_censored_cell_bounds_its_factors_and_a_missing_one_drops_them():
+    runs = []
+    for s in range(3):
+        cells = {"base": BASE, "base_m": _reaching(300), "pix": [0.1] * 10}  # pixel never reaches; no pixel+Muon
+        runs += [{"method": m, "seed": s, "curve": _curve(c)} for m, c in cells.items()]
+    res = analysis.analyze(runs, "base", "align_overall", 1000, **GATE, factors=TWO_BY_TWO)
+    got = {f["name"]: f for f in res["factors"]}
+    assert set(got) == {"pixel, AdamW", "Muon, latent"}  # the factors with pixel+Muon need its runs
+    assert got["pixel, AdamW"]["bound"] == "upper" and got["pixel, AdamW"]["ratio"]["step"][0] == pytest.approx(0.6)
+    assert got["Muon, latent"]["bound"] is None
+    swapped = analysis.analyze(runs, "base", "align_overall", 1000, **GATE, factors=(("x", "pix", "base_m"),))
+    f = swapped["factors"][0]
+    assert f["bound"] == "lower" and f["ratio"]["step"][0] == pytest.approx(1000 / 300)
+
+
+def test_a_factors_interval_from_five_seeds_comes_from_the_same_resamples_as_its_cells():
+    rng = np.random.default_rng(1)
+    runs = []
+    for s in range(5):
+        t_pix, t_pm = rng.uniform(300, 500), rng.uniform(150, 300)
+        runs += [{"method": m, "seed": s, "curve": _curve(c)}
+                 for m, c in (("base", BASE), ("pix", _reaching(t_pix)), ("pix_m", _reaching(t_pm)))]  # fmt: skip
+    res = analysis.analyze(runs, "base", "align_overall", 1000, **GATE, n_boot=400, factors=(("Muon", "pix", "pix_m"),))
+    f = res["factors"][0]
+    per_seed = [p["ratio"]["step"] for p in f["per_seed"]]
+    center, lo, hi = f["ratio"]["step"]
+    assert f["interval"] == "ci" and min(per_seed) <= lo < center < hi <= max(per_seed)
+    # the factor's center is the ratio of its cells' centers (geometric means over the same seeds)
+    cells = res["methods"]
+    assert center == pytest.approx(cells["pix_m"]["speedup"]["step"][0] / cells["pix"]["speedup"]["step"][0])

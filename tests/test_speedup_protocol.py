@@ -99,6 +99,10 @@ def test_the_report_marks_censored_seeds_and_the_gate_per_seed():
     md = report.markdown_table(_results([2.0, 2.0, 2.0], censored=(1,)))
     assert "| JIT-DDT recipe | 2/3 | <=" in md and "<=0.60x" in md
     assert md.count("gate passed") == 3
+    # the 2x2's factors present (here only the recipe over baseline A, both with AdamW), bounded by the censored seed
+    row = next(ln for ln in md.splitlines() if ln.startswith("| the pixel recipe, with AdamW |"))
+    assert "| recipe over latent | 3 | <=" in row and "0: 2.00x, 1: <=0.60x, 2: 2.00x |" in row
+    assert "with Muon |" not in md and "Muon, on" not in md
 
 
 def test_one_time_costs_are_reported_apart_and_amortized_and_reused_runs_drop_the_clock():

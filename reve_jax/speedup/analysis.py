@@ -13,7 +13,11 @@ and intervals that resample seeds and, within each evaluation, captions.
   seeds, their geometric mean. Its interval resamples the passing seeds and, within each evaluation of each drawn
   seed, the captions (the same draw for every run of that seed, so the pair stays paired; target and crossings
   recomputed on every resample) where the evaluations kept their per-caption checks. With fewer than CI_SEEDS
-  seeds no interval is claimed: the per-seed values are printed, and their range.
+  seeds no interval is claimed: the per-seed values are printed, and their range;
+- the factors of a 2x2 (`factors`: name, slower cell, faster cell): per passing seed, the slower cell's cost to the
+  baseline's target over the faster cell's, their geometric mean and its interval from the same resamples (the
+  ratio of the two cells' speedups, draw by draw). A seed where the faster cell is censored bounds the factor from
+  above, one where the slower cell is censored from below; a factor with seeds of both kinds is no bound either way.
 """
 
 from __future__ import annotations
@@ -90,11 +94,14 @@ def _seed_ratios(base_curve, base_vals, runs_vals, steps, higher, sustain):
 
 
 def analyze(runs: list[dict], baseline: str, metric: str, steps: int, *, gate_final: float, gate_gain: float,
-            sustain: int = SUSTAIN, n_boot: int = 1000, seed: int = 0) -> dict:  # fmt: skip
+            sustain: int = SUSTAIN, n_boot: int = 1000, seed: int = 0, factors=()) -> dict:  # fmt: skip
     """The analysis of the module docstring. `runs`: [{"method", "seed", "curve"}] (points with COSTS, `metric`
     and optionally per-caption "checks"). Returns {"ok", "why", "metric", "gate": [per seed], "methods": {method:
     {"seeds", "reached", "per_seed": [{"seed", "cost", "reached", "speedup"}], "speedup": {cost: (center, lo,
-    hi)}, "interval": "ci" | "range", "upper_bound"}}}."""
+    hi)}, "interval": "ci" | "range", "upper_bound"}}, "factors": [one per factor whose two cells ran on the same
+    passing seeds: {"name", "slow", "fast", "seeds", "per_seed": [{"seed", "ratio", "bound"}], "ratio": {cost:
+    (center, lo, hi)}, "interval", "bound"}]}; a bound is "upper", "lower", "none" (both censored, or seeds of both
+    kinds) or None."""
     higher = DIRECTION[metric]
     by_seed: dict[int, dict[str, dict]] = {}
     for r in runs:
@@ -142,7 +149,40 @@ def analyze(runs: list[dict], baseline: str, metric: str, steps: int, *, gate_fi
                 lo, hi = (float(x) for x in np.percentile(samples[m][k], [50 * (1 - LEVEL), 50 * (1 + LEVEL)]))
             row["speedup"][k] = (center, lo, hi)
         result["methods"][m] = row
+    result["factors"] = [f for f in (_factor(result["methods"], samples, *spec) for spec in factors) if f]
     return result
+
+
+def _factor(rows: dict, samples: dict, name: str, slow: str, fast: str) -> dict | None:
+    """One factor of a 2x2 (module docstring) from the two cells' rows and bootstrap samples; None unless both
+    cells ran on the same passing seeds."""
+    if slow not in rows or fast not in rows:
+        return None
+    a, b = ({p["seed"]: p for p in rows[m]["per_seed"]} for m in (slow, fast))
+    if set(a) != set(b):
+        return None
+    per_seed = []
+    for s in sorted(a):
+        ratio = {k: b[s]["speedup"][k] / a[s]["speedup"][k] for k in COSTS}
+        kind = {(True, True): None, (True, False): "upper", (False, True): "lower"}.get(
+            (a[s]["reached"], b[s]["reached"]), "none"
+        )
+        per_seed.append({"seed": s, "ratio": ratio, "bound": kind})
+    kinds = {p["bound"] for p in per_seed} - {None}
+    interval = "ci" if len(per_seed) >= CI_SEEDS and slow in samples and fast in samples else "range"
+    out = {}
+    for k in COSTS:
+        vals = np.array([p["ratio"][k] for p in per_seed])
+        center = float(np.exp(np.mean(np.log(vals))))
+        if interval == "ci":
+            draws = np.asarray(samples[fast][k]) / np.asarray(samples[slow][k])
+            lo, hi = (float(x) for x in np.percentile(draws, [50 * (1 - LEVEL), 50 * (1 + LEVEL)]))
+        else:
+            lo, hi = float(vals.min()), float(vals.max())
+        out[k] = (center, lo, hi)
+    bound = None if not kinds else kinds.pop() if len(kinds) == 1 else "none"
+    return {"name": name, "slow": slow, "fast": fast, "seeds": len(per_seed), "per_seed": per_seed, "ratio": out,
+            "interval": interval, "bound": bound}  # fmt: skip
 
 
 def _bootstrap(by_seed, passing, baseline, metric, steps, higher, sustain, n_boot, seed) -> dict:

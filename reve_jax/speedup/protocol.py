@@ -14,6 +14,14 @@ from reve_jax import config as config_lib
 from reve_jax import xla
 
 PRIMARY = "align_overall"
+# The headline's 2x2, {latent DiT, pixel recipe} x {AdamW, Muon}, read as four factors (name, slower cell, faster
+# cell): each is the ratio of two cells' times to baseline A's plateau, reported where both cells ran
+FACTORS = (
+    ("the pixel recipe, with AdamW", "latent", "recipe"),
+    ("the pixel recipe, with Muon", "latent+muon", "recipe+muon"),
+    ("Muon, on the latent DiT", "latent", "latent+muon"),
+    ("Muon, on the pixel recipe", "recipe", "recipe+muon"),
+)
 
 
 @dataclasses.dataclass(frozen=True)

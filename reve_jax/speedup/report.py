@@ -125,6 +125,7 @@ def markdown_table(results: dict) -> str:
                      for s in seeds]  # fmt: skip
             lines.append(f"| {label(m)} | " + " | ".join(cells) + " |")
         lines.append("")
+        lines += factor_lines(tt.get("factors", []), costs)
     finals = summary["finals"]
     cols = [c for c in ("align_exact", "align_overall", "kid", "vloss") if any(c in f for f in finals.values())]
     if cols:
@@ -136,6 +137,28 @@ def markdown_table(results: dict) -> str:
                      for c in cols]  # fmt: skip
             lines.append(f"| {label(m)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n" + attribute_table(results)
+
+
+BOUND_MARK = {None: "", "upper": "<=", "lower": ">=", "none": "?"}
+
+
+def factor_lines(factors: list[dict], costs) -> list[str]:
+    """The 2x2 read as factors: each the ratio of two cells' times to baseline A's plateau ("<=" where the faster
+    cell is censored on a seed, ">=" where the slower one is, "?" where both are or the seeds disagree), with its
+    interval or range and the per-seed values in steps."""
+    if not factors:
+        return []
+    lines = ["Which factor carries the speedup: per seed, the slower cell's cost to baseline A's plateau over the "
+             "faster cell's (`<=`: the faster cell censored, `>=`: the slower one, `?`: no bound either way):", "",
+             "| factor | cells | seeds | " + " | ".join(COST_NAMES[k] for k in costs) + " | per seed (steps) |",
+             "|---" * (4 + len(costs)) + "|"]  # fmt: skip
+    for f in factors:
+        mark = BOUND_MARK[f["bound"]]
+        cells = [mark + interval_text(*f["ratio"][k], f["interval"], unit="x") for k in costs]
+        seeds = ", ".join(f"{p['seed']}: {BOUND_MARK[p['bound']]}{p['ratio']['step']:.2f}x" for p in f["per_seed"])
+        lines.append(f"| {f['name']} | {f['fast']} over {f['slow']} | {f['seeds']} | " + " | ".join(cells)
+                     + f" | {seeds} |")  # fmt: skip
+    return [*lines, ""]
 
 
 def one_time_lines(results: dict, rows: dict, baseline: str, reused: int) -> list[str]:

@@ -25,7 +25,7 @@ from reve_jax.data.synthetic import alignment
 from reve_jax.latent import training as latent_training
 from reve_jax.metrics import hook
 from reve_jax.speedup import analysis
-from reve_jax.speedup.protocol import PRIMARY, Protocol, build_config, machine, same_config
+from reve_jax.speedup.protocol import FACTORS, PRIMARY, Protocol, build_config, machine, same_config
 from reve_jax.speedup.report import write_outputs
 
 
@@ -330,8 +330,14 @@ def summarize(size: Protocol, runs: list[dict]) -> dict:
     metrics = ("align_overall", "align_exact", "kid", "vloss")
     return {
         "time_to_target": analysis.analyze(
-            runs, size.baseline, PRIMARY, size.steps, gate_final=size.gate_final, gate_gain=size.gate_gain
-        ),  # fmt: skip
+            runs,
+            size.baseline,
+            PRIMARY,
+            size.steps,
+            factors=FACTORS,
+            gate_final=size.gate_final,
+            gate_gain=size.gate_gain,
+        ),
         "finals": analysis.finals(runs, tuple(m for m in metrics if _has(runs, m))),
     }
 
