@@ -244,6 +244,23 @@ def test_a_benchmark_run_is_a_resumable_trainer_run(tmp_path):
     assert straight["step_flops"] == split["step_flops"] == runner.executed_step_flops(cfg)
 
 
+def test_evaluating_and_checkpointing_during_a_run_leave_its_training_unchanged(tmp_path):
+    """A headline run (evaluated and checkpointed every few steps) and a sweep run (evaluated once, at the end)
+    of one config and seed train the same weights: the end's training loss, v-loss and alignment are equal."""
+    tiny = ("model.width=32", "model.depth=3", "model.heads=2", "text.width=32", "data.image_size=16", "model.patch=4",
+            "train.global_batch=8", "data.worker_threads=0", "sample.steps=2")  # fmt: skip
+    ends = []
+    for evals in (4, 1):
+        size = dataclasses.replace(_size("cpu"), steps=8, evals=evals)
+        cfg = protocol.build_config(size, "pixel", 0, tiny)
+        assert cfg.train.ckpt_every == 8 // evals
+        rec = runner.train_run(cfg, tmp_path / f"e{evals}", 8 // evals, 8, 4321, {"feature_spec": None}, n_final=8)
+        assert len(rec["curve"]) == evals
+        ends.append(rec["curve"][-1])
+    for k in ("train_loss", "vloss", "align_overall", "align_exact"):
+        assert ends[0][k] == ends[1][k], k
+
+
 def test_a_signalled_run_writes_no_record_and_the_rerun_resumes_it(tmp_path):
     """A benchmark run stopped by SIGTERM (the trainer checkpoints and returns) raises RunStopped and leaves no run
     record, so the next benchmark command resumes it instead of reusing a short curve; a record with a short curve
