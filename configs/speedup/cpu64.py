@@ -6,7 +6,7 @@ the pixel recipe's ratio over the latent baseline grow with resolution, as Linum
 
 The rendering is the issue's fallback: in cpu30's jittered rendering baseline A fails the gate at this size in the
 4,500-step budget on both calibration seeds (plateaus 0.345 and 0.341; needs 0.45), and in the fixed rendering, one
-image per caption, scored on the unseen compositions, it passes (seed 102: plateau 0.871, flat from step 3,300;
+image per caption, scored on the unseen compositions, it passes on both (plateaus 0.871 and 0.604;
 docs/speedup_log.md, 2026-12-06). The autoencoder is the jittered rendering's (`latent.train_render`: a fixed image
 is one of the jittered ones), checked again on the fixed images (0.996 on the jittered, 1.000 on the fixed). The
 trend's two points therefore differ in rendering as well as resolution (docs/speedup.md, "Sizes").
