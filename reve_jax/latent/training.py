@@ -217,17 +217,21 @@ def cached(cfg, cache_dir: str | Path) -> tuple[Path, dict]:
     (`latent.train_render`) is checked again on the run's images: that check is info["check"], the stored one
     info["check_train"]. Returns (path, info)."""
     path = cache_path(cfg, cache_dir)
+    trained_on = training_config(cfg)
+    recheck = trained_on.data.render != cfg.data.render  # trained on other images than the run's: check on its own
     if path.is_file():
+        if not recheck:
+            return path, autoencoder.load(path)[1]["info"]
         model, meta = autoencoder.load(path)
         info = meta["info"]
     else:
         log.info("training the autoencoder (%d steps) into %s", cfg.latent.train_steps, path)
         partial = partial_path(path)
         model, info = train(cfg, partial=partial)
-        info["check"] = check_reconstructions(training_config(cfg), model)
+        info["check"] = check_reconstructions(trained_on, model)
         autoencoder.save(model, path, info)
         partial.unlink(missing_ok=True)
-    if training_config(cfg).data.render != cfg.data.render:  # trained on other images than the run's: check on its
+    if recheck:
         info = {**info, "check_train": info.get("check"), "check": check_reconstructions(cfg, model)}
     return path, info
 
