@@ -66,6 +66,20 @@ def test_the_gate_is_per_seed_and_three_passing_seeds_are_needed():
     assert not res["ok"] and "no speedup measurable" in res["why"] and not res["methods"]
 
 
+def test_the_gate_prints_how_far_the_plateau_still_rises_and_does_not_gate_on_it():
+    climbing = [0.2, 0.3, 0.4, 0.45, 0.5, 0.55, 0.6, 0.65, 0.7, 0.75]  # +0.05 an evaluation: +0.15 over three
+    runs = [{"method": "base", "seed": s, "curve": _curve(BASE if s else climbing)} for s in range(3)]
+    res = analysis.analyze(runs, "base", "align_overall", 1000, **GATE)
+    rises = [g["rise"] for g in res["gate"]]
+    # BASE's last six: 0.7, 0.8, 0.8 | 0.8, 0.8, 0.8 -> +0.1 / 3
+    assert rises == pytest.approx([0.15, 0.1 / 3, 0.1 / 3]) and all(g["ok"] for g in res["gate"])
+    assert "+0.150 over the 3 evaluations before it" in res["gate"][0]["why"]
+    # Too short a curve to have a plateau and the evaluations before it: no number, none printed.
+    short = [{"method": "base", "seed": s, "curve": _curve([0.2, 0.5, 0.6, 0.7, 0.8])} for s in range(3)]
+    gate = analysis.analyze(short, "base", "align_overall", 1000, **GATE)["gate"]
+    assert all(math.isnan(g["rise"]) and "before it" not in g["why"] for g in gate)
+
+
 def test_three_seeds_give_a_range_and_five_a_bootstrap_interval():
     speeds = [0.5, 0.6, 0.7, 0.8, 0.9]
     runs = []

@@ -8,7 +8,8 @@ and intervals that resample seeds and, within each evaluation, captions.
   budget (its ratio is an upper bound, printed "<=");
 - the gate, per seed: the baseline's plateau must reach `gate_final` and exceed its first evaluation by
   `gate_gain`; a failing seed is reported and left out; with fewer than MIN_SEEDS passing seeds there is no
-  speedup to report ("no speedup measurable");
+  speedup to report ("no speedup measurable"); the plateau's own rise (`plateau_rise`, over the PLATEAU
+  evaluations before it) is printed beside, so a budget too short to plateau shows in the report;
 - the speedup of a method on a cost: per passing seed, the baseline's cost to its target over the method's; over
   seeds, their geometric mean. Its interval resamples the passing seeds and, within each evaluation of each drawn
   seed, the captions (the same draw for every run of that seed, so the pair stays paired; target and crossings
@@ -38,6 +39,15 @@ LEVEL = 0.95
 def plateau(values) -> float:
     v = np.asarray(values, np.float64)
     return float(np.mean(v[-PLATEAU:]))
+
+
+def plateau_rise(values) -> float:
+    """How far the plateau still rises: its mean over the mean of the PLATEAU evaluations before it (0 on a flat
+    curve, in the metric's direction of travel on a climbing one); NaN with fewer than 2 x PLATEAU evaluations."""
+    v = np.asarray(values, np.float64)
+    if len(v) < 2 * PLATEAU:
+        return math.nan
+    return float(np.mean(v[-PLATEAU:]) - np.mean(v[-2 * PLATEAU : -PLATEAU]))
 
 
 def full_budget(curve: list[dict], steps: int) -> dict:
@@ -117,7 +127,10 @@ def analyze(runs: list[dict], baseline: str, metric: str, steps: int, *, gate_fi
         ok = top >= gate_final and gain >= gate_gain
         why = f"plateau {top:.3f} (needs >= {gate_final}), gain {gain:+.3f} over its first evaluation"
         why += f" (needs >= {gate_gain})"
-        gate.append({"seed": s, "ok": ok, "plateau": top, "gain": gain, "why": why})
+        rise = plateau_rise(vals)
+        if not math.isnan(rise):  # reported, never gated on: whether the budget was long enough is for the reader
+            why += f"; {rise:+.3f} over the {PLATEAU} evaluations before it"
+        gate.append({"seed": s, "ok": ok, "plateau": top, "gain": gain, "rise": rise, "why": why})
         if ok:
             passing.append(s)
     result = {"metric": metric, "baseline": baseline, "gate": gate, "methods": {}}
