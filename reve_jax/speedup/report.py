@@ -1,5 +1,6 @@
 """The speedup benchmark's outputs: results.json, a markdown report (speedup.md) and a plot of quality against
-wall clock and against steps (speedup.png, matplotlib with the Agg backend)."""
+wall clock (executed FLOPs where runs were reused) and against steps (speedup.png, matplotlib with the Agg
+backend)."""
 
 from __future__ import annotations
 
@@ -222,9 +223,24 @@ def kid_scale(values) -> tuple:
     return ("log", {}) if min(values, default=1.0) > 0 else ("symlog", {"linthresh": 1e-3})
 
 
+X_AXES = {  # a cost: its axis label and scale
+    "wall_s": ("training wall clock (s)", 1.0),
+    "flops": ("executed TFLOP", 1e-12),
+    "step": ("training steps", 1.0),
+}
+
+
+def x_axes(results: dict) -> tuple[str, str]:
+    """The plot's two x axes: wall clock and steps; executed FLOPs and steps when any run was reused from an
+    earlier invocation (the table's rule: wall clock compares runs of one invocation only)."""
+    reused = any(r.get("reused") for r in results.get("runs", []))
+    return ("flops" if reused else "wall_s", "step")
+
+
 def plot(results: dict, path: str | Path, metrics=("align_overall", "kid")) -> Path:
-    """Quality (rows: `metrics`) against training wall clock and against steps (columns); per method the mean over
-    seeds in bold and each seed thin; the baseline's final (mean over seeds) dashed."""
+    """Quality (rows: `metrics`) against training wall clock (executed FLOPs where runs were reused, `x_axes`) and
+    against steps (columns); per method the mean over seeds in bold and each seed thin; the baseline's final (mean
+    over seeds) dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -237,19 +253,21 @@ def plot(results: dict, path: str | Path, metrics=("align_overall", "kid")) -> P
     fig, axes = plt.subplots(max(1, len(metrics)), 2, figsize=(12, 4.2 * max(1, len(metrics))), squeeze=False)
     colors = plt.get_cmap("tab10")
     for row, metric in enumerate(metrics):
-        for col, key in enumerate(("wall_s", "step")):
+        for col, key in enumerate(x_axes(results)):
             ax = axes[row][col]
+            name, scale = X_AXES[key]
             for i, m in enumerate(methods):
                 rs = [r for r in runs if r["method"] == m]
                 for r in rs:
                     pts = [p for p in r["curve"] if metric in p]
-                    ax.plot([p[key] for p in pts], [p[metric] for p in pts], color=colors(i), alpha=0.3, lw=0.8)
+                    ax.plot([p[key] * scale for p in pts], [p[metric] for p in pts], color=colors(i), alpha=0.3,
+                            lw=0.8)  # fmt: skip
                 xs, ys = _mean_curve(rs, key, metric)
-                ax.plot(xs, ys, color=colors(i), lw=2, marker="o", ms=3, label=label(m))
+                ax.plot(np.asarray(xs) * scale, ys, color=colors(i), lw=2, marker="o", ms=3, label=label(m))
             base = [analysis.plateau([p[metric] for p in r["curve"]]) for r in runs if r["method"] == baseline]
             if base:
                 ax.axhline(float(np.mean(base)), color="k", ls="--", lw=1, label="baseline plateau (target)")
-            ax.set_xlabel("training wall clock (s)" if key == "wall_s" else "training steps")
+            ax.set_xlabel(name)
             ax.set_ylabel(metric)
             if metric == "kid":
                 scale, kw = kid_scale([p[metric] for r in runs for p in r["curve"] if metric in p])
