@@ -152,32 +152,28 @@ def test_report_gate_table_and_plot(tmp_path):
     assert md.count("gate **failed**") == 2 and "no speedup measurable" in md and "| JIT-DDT recipe | 3/3" not in md
 
 
-def test_the_plot_drops_wall_clock_when_runs_were_reused(tmp_path):
+def test_the_plot_drops_wall_clock_when_runs_were_reused(tmp_path, monkeypatch):
     """The figure follows the table's rule: wall clock compares runs of one invocation, so with any reused run its
     time axis is executed FLOPs (in TFLOP: the curve's own values scaled, not another run's)."""
+    import matplotlib.axes
+
     size = dataclasses.replace(_size("cpu"), seeds=(0, 1, 2), steps=500, evals=5, gate_final=0.5, gate_gain=0.2)
     runs = _runs()
     fresh = {"size": dataclasses.asdict(size), "runs": runs}
     reused = dict(fresh, runs=[dict(r, reused=True) if i == 0 else r for i, r in enumerate(runs)])
     assert report.x_axes(fresh) == ("wall_s", "step") and report.x_axes(reused) == ("flops", "step")
-    import matplotlib.axes
-
-    drawn = []
-    orig = matplotlib.axes.Axes.plot
+    drawn, orig = [], matplotlib.axes.Axes.plot
 
     def spy(ax, xs, *a, **k):
         drawn.append(list(np.asarray(xs, np.float64)))
         return orig(ax, xs, *a, **k)
 
-    matplotlib.axes.Axes.plot = spy
-    try:
-        report.plot(reused, tmp_path / "r.png")
-        report.plot(fresh, tmp_path / "f.png")
-    finally:
-        matplotlib.axes.Axes.plot = orig
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
+    report.plot(reused, tmp_path / "r.png")
+    half = len(drawn)  # the reused figure's lines, then the fresh one's
+    report.plot(fresh, tmp_path / "f.png")
     curve = next(r for r in runs if r["method"] == "recipe")["curve"]  # 2 s a step: wall, steps, FLOPs all differ
     wall, tflop = [p["wall_s"] for p in curve], [p["flops"] * 1e-12 for p in curve]
-    half = len(drawn) // 2  # the reused figure's lines, then the fresh one's
     assert any(xs == pytest.approx(tflop) for xs in drawn[:half]) and wall not in drawn[:half]
     assert wall in drawn[half:] and not any(xs == pytest.approx(tflop) for xs in drawn[half:])
 

@@ -255,15 +255,15 @@ def plot(results: dict, path: str | Path, metrics=("align_overall", "kid")) -> P
     for row, metric in enumerate(metrics):
         for col, key in enumerate(x_axes(results)):
             ax = axes[row][col]
-            name, scale = X_AXES[key]
+            name, x_scale = X_AXES[key]
             for i, m in enumerate(methods):
                 rs = [r for r in runs if r["method"] == m]
                 for r in rs:
                     pts = [p for p in r["curve"] if metric in p]
-                    ax.plot([p[key] * scale for p in pts], [p[metric] for p in pts], color=colors(i), alpha=0.3,
+                    ax.plot([p[key] * x_scale for p in pts], [p[metric] for p in pts], color=colors(i), alpha=0.3,
                             lw=0.8)  # fmt: skip
                 xs, ys = _mean_curve(rs, key, metric)
-                ax.plot(np.asarray(xs) * scale, ys, color=colors(i), lw=2, marker="o", ms=3, label=label(m))
+                ax.plot(np.asarray(xs) * x_scale, ys, color=colors(i), lw=2, marker="o", ms=3, label=label(m))
             base = [analysis.plateau([p[metric] for p in r["curve"]]) for r in runs if r["method"] == baseline]
             if base:
                 ax.axhline(float(np.mean(base)), color="k", ls="--", lw=1, label="baseline plateau (target)")
