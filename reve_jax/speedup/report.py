@@ -99,7 +99,7 @@ def markdown_table(results: dict) -> str:
         lines.append(f"- seed {g['seed']}: gate {'passed' if g['ok'] else '**failed**'}: {g['why']}")
     lines += ["", ("" if tt["ok"] else "**") + tt["why"] + ("" if tt["ok"] else "**"), ""]
     rows = tt["methods"]
-    reused = sum(bool(r.get("reused")) for r in results.get("runs", []))
+    reused = reused_runs(results)
     costs = SPEEDUP_COSTS if not reused else ("step", "flops")
     if tt["ok"] and rows:
         if reused:
@@ -230,11 +230,15 @@ X_AXES = {  # a cost: its axis label and scale
 }
 
 
+def reused_runs(results: dict) -> int:
+    """How many runs came from an earlier invocation: with any, wall and CPU seconds compare nothing (the table
+    and the plot show steps and FLOPs)."""
+    return sum(bool(r.get("reused")) for r in results.get("runs", []))
+
+
 def x_axes(results: dict) -> tuple[str, str]:
-    """The plot's two x axes: wall clock and steps; executed FLOPs and steps when any run was reused from an
-    earlier invocation (the table's rule: wall clock compares runs of one invocation only)."""
-    reused = any(r.get("reused") for r in results.get("runs", []))
-    return ("flops" if reused else "wall_s", "step")
+    """The plot's two x axes: wall clock and steps; executed FLOPs and steps when any run was reused."""
+    return ("flops" if reused_runs(results) else "wall_s", "step")
 
 
 def plot(results: dict, path: str | Path, metrics=("align_overall", "kid")) -> Path:
