@@ -53,9 +53,19 @@ AUTOENCODER = (
 )
 
 
+# JiT's resolution rule for pixel-space diffusion: doubling the side at a constant token count (B/16 at 256 px to
+# B/32 at 512 px) doubles the noise scale (1.0 to 2.0), so that a noise level hides as much of a patch as before. This
+# size doubles cpu30's side and patch, so its pixel-space methods take 2.0 (cpu30's 1.0, doubled); baseline A
+# diffuses the same 16x16 latent grid at both sizes and keeps 1.0. The first two recipe runs here lacked it: an
+# object on under half of the unseen captions' images (docs/results/cpu64_noise1; docs/speedup_log.md, 2026-12-06).
+PIXEL_NOISE_SCALE = 2.0
+
+
 def get_config(method=None):
     method = method or "recipe"
-    own = (o for t in common.techniques_of(method) for o in cpu.OWN_TOKENS.get(t, ()))
-    train = (*shared.cpu_train(batch=32), *own)
+    techniques = common.techniques_of(method)
+    own = (o for t in techniques for o in cpu.OWN_TOKENS.get(t, ()))
+    noise = () if "latent" in techniques else (f"diffusion.noise_scale={PIXEL_NOISE_SCALE}",)
+    train = (*shared.cpu_train(batch=32), *own, *noise)
     model = (*shared.cpu_model(image_size=64, patch=16), *TASK, *AUTOENCODER)
     return common.method_config("tiny", model, train, method, FROZEN)
