@@ -113,6 +113,20 @@ def test_methods_differ_only_in_their_techniques_and_every_size_builds():
     rec_muon = protocol.build_config(s30, "recipe+muon", 0)
     got = {"lr": rec_muon.optim.lr, "muon_lr": rec_muon.optim.muon_lr, "cfg_scale": rec_muon.sample.cfg_scale}
     assert rec_muon.optim.name == "muon" and got == cpu30.FROZEN["recipe+muon"] != cpu30.FROZEN["prx"]
+    # JiT's resolution rule between the trend's sizes: cpu64 doubles cpu30's side and the recipe's patch (the same
+    # token count), so its pixel-space methods double the noise scale; baseline A's latent grid is the same at both
+    # sizes, and so is its noise scale
+    s64 = _size("cpu64")
+    for m in ("recipe", "recipe+muon", "pixel", "latent", "latent+muon"):
+        a, b = protocol.build_config(s30, m, 0), protocol.build_config(s64, m, 0)
+        assert b.data.image_size == 2 * a.data.image_size
+        if m.startswith("recipe"):
+            assert (b.model.patch, b.data.image_size // b.model.patch) == (
+                2 * a.model.patch,
+                a.data.image_size // a.model.patch,
+            )
+        want = a.diffusion.noise_scale * (1.0 if m.startswith("latent") else 2.0)
+        assert b.diffusion.noise_scale == want, (m, b.diffusion.noise_scale)
     assert jax.device_count() == 8  # conftest's emulated devices: the configs build without touching them
 
 
