@@ -343,20 +343,22 @@ def summarize(size: Protocol, runs: list[dict]) -> dict:
 
 
 def one_time_costs(runner: Runner, methods) -> dict:
-    """The one-time costs behind the methods' runs, in seconds of training on the machine that paid them: each
-    latent method's autoencoder, and the feature network REPA's target comes from (perceptual/shapes.py
-    TRAINING_SPEC, trained apart from the metrics' network). {name: {"seconds", "methods", "machine"}}."""
+    """The one-time costs behind the methods' runs, in seconds of training on the machine that paid them and in
+    training FLOPs: each latent method's autoencoder, and the feature network REPA's target comes from
+    (perceptual/shapes.py TRAINING_SPEC, trained apart from the metrics' network). {name: {"seconds", "flops",
+    "methods", "machine"}}."""
     out = {}
     for path, info in runner.autoencoders.items():
         users = [m for m in methods if build_config(runner.size, m, runner.size.seeds[0], runner.extra).latent.path]
-        out[f"autoencoder {Path(path).name}"] = {"seconds": info.get("train_s"), "methods": users,
-                                                 "machine": info.get("machine")}  # fmt: skip
+        out[f"autoencoder {Path(path).name}"] = {"seconds": info.get("train_s"), "flops": info.get("train_flops"),
+                                                 "methods": users, "machine": info.get("machine")}  # fmt: skip
     repa = [m for m in methods if build_config(runner.size, m, runner.size.seeds[0], runner.extra).loss.repa_weight]
     if repa:
         from reve_jax.perceptual import shapes
 
         _, info = shapes.get_feature_net(shapes.TRAINING_SPEC)
-        out["REPA target network"] = {"seconds": info.get("train_s"), "methods": repa, "machine": None}
+        out["REPA target network"] = {"seconds": info.get("train_s"), "flops": shapes.train_flops(shapes.TRAINING_SPEC),
+                                      "methods": repa, "machine": None}  # fmt: skip
     return out
 
 
