@@ -149,9 +149,10 @@ def test_the_repa_target_network_is_checked_in_apart_from_the_metrics(tmp_path, 
 
 def test_the_repa_target_networks_training_flops_match_a_count_of_its_convolutions():
     """REPA's one-time cost in FLOPs (amortized in the report beside the autoencoder's): 3x the forward (forward +
-    backward) of every image of every batch, the forward counted by XLA. A count by hand of the convolutions'
-    multiply-adds on the 9 cell windows (16 px, stride 2 from the second stage on) bounds it from above: XLA leaves
-    out the taps on the zero padding (about 10% at these sizes), and the pooling and heads add well under 5%."""
+    backward) of every image of every batch, the forward counted by XLA. Against a count by hand of the
+    convolutions' multiply-adds on the 9 cell windows (16 px, stride 2 from the second stage on): XLA leaves out
+    the taps on the zero padding (16% of an 8 px stage's) and adds the norms, activations, pooling and heads, so
+    the two agree within 20% (1.01 for this spec, 0.89 for the checked-in target's deeper one)."""
     spec = dataclasses.replace(shapes.TRAINING_SPEC, channels=(8, 16), steps=10, batch=4)
     side, c_in, macs = 16, 3, 0
     for i, c in enumerate(spec.channels):
@@ -160,5 +161,5 @@ def test_the_repa_target_networks_training_flops_match_a_count_of_its_convolutio
         c_in = c
     by_hand = 3 * 2 * 9 * macs * spec.batch * spec.steps
     got = shapes.train_flops(spec)
-    assert 0.8 * by_hand < got < 1.05 * by_hand, (got, by_hand)
+    assert 0.8 * by_hand < got < 1.2 * by_hand, (got, by_hand)
     assert shapes.train_flops(dataclasses.replace(spec, steps=20)) == 2 * got
