@@ -303,9 +303,9 @@ def train_feature_net(spec: FeatureSpec) -> tuple[FeatureNet, dict]:
 
 
 def train_flops(spec: FeatureSpec) -> float:
-    """The FLOPs of training a FeatureNet of `spec`: 3x the forward pass of a 32 px image (XLA's count of the
-    compiled forward; backward about twice the forward, the convention of the diffusion runs' counts) per image
-    of every batch. Built abstractly: no weights, no training."""
+    """The FLOPs of training a FeatureNet of `spec`: 3x the forward pass of a 32 px image (XLA's cost analysis
+    of the lowered forward; backward about twice the forward, the convention of the diffusion runs' counts) per
+    image of every batch. Built abstractly: no weights, no training."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: FeatureNet(spec, nnx.Rngs(spec.seed))))
     x = jax.ShapeDtypeStruct((spec.batch, NET_SIZE, NET_SIZE, 3), jnp.float32)
     cost = jax.jit(lambda st, x: nnx.merge(graphdef, st)(x)).lower(state, x).cost_analysis()
