@@ -302,6 +302,7 @@ def train_feature_net(spec: FeatureSpec) -> tuple[FeatureNet, dict]:
     return model, info
 
 
+@functools.cache  # the report asks after every run: one lowering per spec
 def train_flops(spec: FeatureSpec) -> float:
     """The FLOPs of training a FeatureNet of `spec`: 3x the forward pass of a 32 px image (XLA's cost analysis
     of the lowered forward; backward about twice the forward, the convention of the diffusion runs' counts) per
