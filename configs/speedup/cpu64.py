@@ -21,7 +21,8 @@ A, both with AdamW (the Muon arms are further methods: `--methods latent+muon,re
 sweep starts from its method's cpu30 rate and the rates a factor of 2 either side (`sweep_around=1`), extended like
 any grid while its winner sits at an edge, with the same guidance scales.
 
-FROZEN: cpu30's rates and guidance (the sweeps' centres) until this size's own sweeps.
+FROZEN: baseline A's and the recipe's from their sweeps here on the tuning seeds 100 and 101 (2026-12-06/07,
+docs/speedup_log.md); every other method cpu30's (not swept at this size).
 """
 
 import dataclasses
@@ -39,7 +40,13 @@ PROTOCOL = dataclasses.replace(
 )
 # cpu30's vocabulary in the fixed rendering (above); the autoencoder trains on the jittered one
 TASK = (*(o for o in cpu30.TASK if not o.startswith("data.render=")), "data.render='fixed'")
-FROZEN = dict(cpu30.FROZEN)
+FROZEN = {  # each method's rates and guidance, as this size's sweeps chose them (docs/speedup_log.md, 2026-12-06/07)
+    **cpu30.FROZEN,
+    # baseline A on the tuning seeds 100 and 101, mean at each rate's best guidance: 1e-3 0.857, 2e-3 0.884, 4e-3
+    # 0.877, 8e-3 0.753 (extended once, to 1e-3); guidance 1 / 1.5 / 2 / 3 at 2e-3: 0.866 / 0.874 / 0.884 / 0.884
+    # (2 and 3 tie: the sweep keeps the incumbent, cpu30's)
+    "latent": {"lr": 2e-3, "cfg_scale": 3.0},
+}
 # Baseline A's autoencoder at 64 px: the CPU sizes' (width 16, its training) with one level more, 4x down to 16
 # channels (the same 16x16 latent grid as at 32 px), at a quarter of their rate: at their 4e-3 its training spiked
 # (mse 0.02 to 0.33 near step 250) and stalled near 0.15; at width 32 it did not learn (docs/speedup_log.md,
