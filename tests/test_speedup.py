@@ -645,8 +645,11 @@ def test_a_sweep_over_two_seeds_scores_each_rate_by_its_mean(tmp_path, monkeypat
     # sweep.md: every run of the sweep in one table, the winners in bold
     md = (tmp_path / "two" / "sweep.md").read_text().splitlines()
     assert md[0] == "| method | rate | value | seed 0 | seed 1 | mean | runs |"
-    assert "| latent | lr (at guidance 3) | 0.001 | 0.500 | 0.600 | 0.550 | 8 |" in md  # cpu's frozen scale
-    assert "| latent | lr (at guidance 3) | **0.002** | 0.820 | 0.800 | **0.810** |  |" in md
+    # the rates' row names the scale they were last scored at: 1.5, the winner's best, not cpu's frozen 3 (the
+    # stub's score is the same at every scale, so re-scoring there leaves the rates as they were)
+    assert two["rescored"] == [3.0] and two["scored_at"] == 1.5
+    assert "| latent | lr (at guidance 1.5) | 0.001 | 0.500 | 0.600 | 0.550 | 8 |" in md
+    assert "| latent | lr (at guidance 1.5) | **0.002** | 0.820 | 0.800 | **0.810** |  |" in md
     assert "| latent | guidance (at lr 0.002) | 1.5 |  |  | **0.750** |  |" in md
 
 
@@ -670,6 +673,37 @@ def test_a_sweep_keeps_the_frozen_rate_and_guidance_on_an_exact_tie(tmp_path, mo
     finals[2.5e-4] = 0.5
     assert sweeps.sweep(size, tmp_path / "best", ["prx"], log=lambda s: None)["prx"]["lr"] == 5e-4
     assert sweeps.pick({"1": 0.5, "2": 0.5, "3": 0.4}, "3") == "1"
+
+
+def test_a_sweep_whose_guidance_moves_re_scores_its_rates_there_until_it_stands(tmp_path, monkeypatch):
+    """cpu64's recipe (2026-12-07): scored at the frozen guidance the grid's winner is 2e-3, whose best guidance is
+    1; re-scored at guidance 1 from the same runs the winner is 4e-3, at the grid's edge, so the grid grows to 8e-3
+    (one run per seed trained, no other trained again); at 4e-3 guidance 1 is best again, and the sweep stops there."""
+    size = dataclasses.replace(_size("cpu"), sweep_lrs=(1e-3, 2e-3, 4e-3))
+    f = protocol.build_config(size, "latent", 0).sample.cfg_scale
+    assert f != 1.0, "the test needs a frozen guidance other than 1"
+    at_f = {1e-3: 0.5, 2e-3: 0.6, 4e-3: 0.55, 8e-3: 0.4}
+    at_1 = {1e-3: 0.6, 2e-3: 0.7, 4e-3: 0.8, 8e-3: 0.75}
+    trained = []
+
+    def run(self, method, seed, lr=None, rate="lr", **kw):
+        trained.append((seed, lr))
+        return {"cfg_scale": f, "curve": [{"align_overall": at_f[lr]}],
+                "cfg_scores": {f"{f:g}": at_f[lr], "1": at_1[lr]}}  # fmt: skip
+
+    monkeypatch.setattr(runner.Runner, "run", run)
+    logs = []
+    r = sweeps.sweep(size, tmp_path, ["latent"], log=logs.append)["latent"]
+    assert sorted(trained) == sorted((s, lr) for s in size.tune_seeds for lr in at_f)  # each run trained once
+    assert (r["lr"], r["cfg_scale"], r["scored_at"], r["rescored"]) == (4e-3, 1.0, 1.0, [f]) and r["inside_grid"]
+    assert r["grid"] == pytest.approx({f"{k:g}": v for k, v in at_1.items()})
+    assert any(f"guidance 1 beats {f:g}" in line for line in logs)
+    assert "| latent | lr (at guidance 1) | **0.004** |" in (tmp_path / "sweep.md").read_text()
+    # without the move (guidance f best on the winner) the first pass stands
+    at_1[2e-3] = 0.59
+    trained.clear()
+    r = sweeps.sweep(size, tmp_path / "stays", ["latent"], log=lambda s: None)["latent"]
+    assert (r["lr"], r["cfg_scale"], r["rescored"]) == (2e-3, f, []) and 8e-3 not in {lr for _, lr in trained}
 
 
 def test_a_finished_run_is_reused_across_added_config_keys():

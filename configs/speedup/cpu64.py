@@ -47,8 +47,8 @@ FROZEN = {  # each method's rates and guidance, as this size's sweeps chose them
     # (2 and 3 tie: the sweep keeps the incumbent, cpu30's)
     "latent": {"lr": 2e-3, "cfg_scale": 3.0},
     # the recipe (noise scale 2.0) likewise, scored at cpu30's guidance 1.5: 2.5e-4 0.504, 5e-4 0.523, 1e-3 0.498,
-    # 2e-3 0.465, 4e-3 0.452 (extended twice); guidance at 5e-4: 1 0.794, 1.5 0.523, 2 0.281, 3 0.178. Re-scored over
-    # the archive at guidance 1 (protocol item 3, no training): 2.5e-4 0.766, 5e-4 0.794, 1e-3 0.800, 2e-3 0.756;
+    # 2e-3 0.465, 4e-3 0.452 (extended twice); guidance at 5e-4: 1 0.794, 1.5 0.523, 2 0.281, 3 0.178. Re-scored at
+    # guidance 1 from the same runs (protocol item 3): 2.5e-4 0.766, 5e-4 0.794, 1e-3 0.800, 2e-3 0.756, 4e-3 0.758;
     # at 1e-3 guidance 1 again (0.800, 1.5 0.498): the choice stands (10 runs)
     "recipe": {"lr": 1e-3, "cfg_scale": 1.0},
 }

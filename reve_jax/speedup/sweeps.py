@@ -33,44 +33,56 @@ def sweep(
     reaches, in factors of 2, the value the size's `sweep_from` says its other sweep held that rate at (that point is
     the other sweep's winner's run: reused, not trained again; a coordinate sweep never drops a point it measured),
     then the guidance scales
-    on the winner's final EMA weights (mean over the seeds; each sweep run's record holds its scores). Two seeds
+    on the winner's final EMA weights (mean over the seeds; each sweep run's record holds its scores). Rates are
+    scored at the method's frozen guidance; when the winner's best guidance is another scale, the grid is re-scored
+    at that one from the same records (every run holds every scale), extended again if its winner moved to an edge,
+    until the guidance comes back the one the rates were scored at. Two seeds
     choose a rate that holds on both where one seed may pick a rate at the edge of stability. `rate` is one of
     RATES ("muon_lr" sweeps Muon's group with the main group at its frozen rate; sweep_all chains both). `archive`:
     Runner's (finished runs' records kept across machines). Writes <out>/sweep.json ({method: ...}, or
     {method@muon_lr: ...}) and returns {method: {rate: best, "cfg_scale", "grid": {rate: mean align}, "per_seed":
-    {seed: {rate: align}}, "runs", ...}}."""
+    {seed: {rate: align}}, "runs", "scored_at", "rescored": the scales tried before it, ...}}."""
     out = Path(out_dir)
     runner = Runner(size, out, extra, cache_dir, evaluator_kwargs, log, archive)
     seeds = tuple(seeds or size.tune_seeds)
     result = {}
     for method in methods:
         frozen = build_config(size, method, seeds[0], extra)  # the incumbent rate and scale win exact ties
-        per_seed: dict[int, dict[float, float]] = {seed: {} for seed in seeds}
         records: dict[tuple[int, float], dict] = {}
         grid = _reaching(size.sweep_grid(getattr(frozen.optim, rate)), size.sweep_from.get(method, {}).get(rate))
-        for _ in range(max_extend + 1):
-            for lr in grid:
-                for seed in seeds:
-                    if lr not in per_seed[seed]:
-                        rec = records[seed, lr] = runner.run(method, seed, lr, evals=1, rate=rate, tuning=True)
-                        per_seed[seed][lr] = sweep_score(rec, frozen.sample.cfg_scale)
-            scores = {lr: float(np.mean([per_seed[seed][lr] for seed in seeds])) for lr in per_seed[seeds[0]]}
-            best = pick(scores, getattr(frozen.optim, rate))
-            lrs = sorted(scores)
-            if best == lrs[0]:
-                grid = [best / 2]
-            elif best == lrs[-1]:
-                grid = [best * 2]
-            else:
+        incumbent, scale, tried = getattr(frozen.optim, rate), float(frozen.sample.cfg_scale), []
+        while True:
+            for _ in range(max_extend + 1):
+                for lr in grid:
+                    for seed in seeds:
+                        if (seed, lr) not in records:
+                            records[seed, lr] = runner.run(method, seed, lr, evals=1, rate=rate, tuning=True)
+                per_seed = {seed: {lr: sweep_score(records[seed, lr], scale) for (s, lr) in records if s == seed}
+                            for seed in seeds}  # fmt: skip
+                scores = {lr: float(np.mean([per_seed[seed][lr] for seed in seeds])) for lr in per_seed[seeds[0]]}
+                best = pick(scores, incumbent)
+                lrs = sorted(scores)
+                if best == lrs[0]:
+                    grid = [best / 2]
+                elif best == lrs[-1]:
+                    grid = [best * 2]
+                else:
+                    break
+            by_seed = [records[seed, best]["cfg_scores"] for seed in seeds]  # the winner's, scored when it finished
+            scales = {k: float(np.mean([g[k] for g in by_seed])) for k in by_seed[0]}
+            chosen = float(pick(scales, f"{scale:g}"))
+            tried.append(scale)
+            if chosen == scale:  # it ends: each pass's best (rate, scale) scores higher than the last's
                 break
+            log(f"sweep {method}: guidance {chosen:g} beats {scale:g} on the winner ({rate} {best:g}): the grid "
+                f"re-scored at {chosen:g} from the same runs")  # fmt: skip
+            incumbent, scale, grid = best, chosen, []
         inside = lrs[0] < best < lrs[-1]
-        by_seed = [records[seed, best]["cfg_scores"] for seed in seeds]  # the winner's, scored when it finished
-        scales = {k: float(np.mean([g[k] for g in by_seed])) for k in by_seed[0]}
         r = result[method] = {rate: best, "inside_grid": inside, "grid": _by_rate(scores), "seeds": list(seeds),
-                              "runs": sum(len(d) for d in per_seed.values()),
+                              "runs": len(records),
                               "per_seed": {seed: _by_rate(d) for seed, d in per_seed.items()},
-                              "cfg_scale": float(pick(scales, f"{frozen.sample.cfg_scale:g}")),
-                              "cfg_scores": scales, "scored_at": float(frozen.sample.cfg_scale)}  # fmt: skip
+                              "cfg_scale": chosen, "cfg_scores": scales,
+                              "scored_at": scale, "rescored": tried[:-1]}  # fmt: skip
         log(f"sweep {method}: {rate} {best:g} ({'inside' if inside else 'AT THE EDGE of'} the grid {r['grid']}, "
             f"seeds {list(seeds)}), guidance {r['cfg_scale']:g} ({scales})")  # fmt: skip
         path = out / "sweep.json"
@@ -85,7 +97,8 @@ def markdown(saved: dict) -> str:
     """Every sweep of sweep.json in one table (issue 45: each method's sweep runs side by side): a row per method,
     rate group and value, each tuning seed's final alignment and their mean, the winner in bold (flagged when at
     the grid's edge after the last extension), then the guidance scales on the winner (mean over the seeds). A rate's
-    rows name the guidance scale they were scored at (the method's frozen one) where the record holds it."""
+    rows name the guidance scale they were scored at (the frozen one, or the one it settled on) where the record
+    holds it."""
     seeds = sorted({int(s) for r in saved.values() for s in r["per_seed"]})
 
     def bold(text: str, yes: bool) -> str:
