@@ -42,7 +42,7 @@ PROTOCOL = dataclasses.replace(
 TASK = (*(o for o in cpu30.TASK if not o.startswith("data.render=")), "data.render='fixed'")
 FROZEN = {  # each method's rates and guidance, as this size's sweeps chose them (docs/speedup_log.md, 2026-12-06/07)
     **cpu30.FROZEN,
-    # baseline A on the tuning seeds 100 and 101, mean at each rate's best guidance: 1e-3 0.857, 2e-3 0.884, 4e-3
+    # baseline A on the tuning seeds 100 and 101, mean at its frozen guidance 3: 1e-3 0.857, 2e-3 0.884, 4e-3
     # 0.877, 8e-3 0.753 (extended once, to 1e-3); guidance 1 / 1.5 / 2 / 3 at 2e-3: 0.866 / 0.874 / 0.884 / 0.884
     # (2 and 3 tie: the sweep keeps the incumbent, cpu30's)
     "latent": {"lr": 2e-3, "cfg_scale": 3.0},
