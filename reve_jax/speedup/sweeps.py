@@ -52,22 +52,7 @@ def sweep(
         grid = _reaching(size.sweep_grid(getattr(frozen.optim, rate)), size.sweep_from.get(method, {}).get(rate))
         incumbent, scale, tried = getattr(frozen.optim, rate), float(frozen.sample.cfg_scale), []
         while True:
-            for _ in range(max_extend + 1):
-                for lr in grid:
-                    for seed in seeds:
-                        if (seed, lr) not in records:
-                            records[seed, lr] = runner.run(method, seed, lr, evals=1, rate=rate, tuning=True)
-                per_seed = {seed: {lr: sweep_score(records[seed, lr], scale) for (s, lr) in records if s == seed}
-                            for seed in seeds}  # fmt: skip
-                scores = {lr: float(np.mean([per_seed[seed][lr] for seed in seeds])) for lr in per_seed[seeds[0]]}
-                best = pick(scores, incumbent)
-                lrs = sorted(scores)
-                if best == lrs[0]:
-                    grid = [best / 2]
-                elif best == lrs[-1]:
-                    grid = [best * 2]
-                else:
-                    break
+            best, scores, per_seed = _rates(runner, method, seeds, grid, records, scale, incumbent, max_extend, rate)
             by_seed = [records[seed, best]["cfg_scores"] for seed in seeds]  # the winner's, scored when it finished
             scales = {k: float(np.mean([g[k] for g in by_seed])) for k in by_seed[0]}
             chosen = float(pick(scales, f"{scale:g}"))
@@ -77,7 +62,7 @@ def sweep(
             log(f"sweep {method}: guidance {chosen:g} beats {scale:g} on the winner ({rate} {best:g}): the grid "
                 f"re-scored at {chosen:g} from the same runs")  # fmt: skip
             incumbent, scale, grid = best, chosen, []
-        inside = lrs[0] < best < lrs[-1]
+        inside = min(scores) < best < max(scores)
         r = result[method] = {rate: best, "inside_grid": inside, "grid": _by_rate(scores), "seeds": list(seeds),
                               "runs": len(records),
                               "per_seed": {seed: _by_rate(d) for seed, d in per_seed.items()},
@@ -91,6 +76,25 @@ def sweep(
         path.write_text(json.dumps(saved, indent=1))
         (out / "sweep.md").write_text(markdown(saved))
     return result
+
+
+def _rates(runner, method, seeds, grid, records, scale, incumbent, max_extend, rate):
+    """One pass over the rates at guidance `scale`: trains the grid's points not in `records` (filled in place) on
+    every seed, scores every point measured so far, and extends the grid by a factor 2 past the best while it sits
+    at an edge (at most `max_extend` times). Returns (best rate, {rate: mean score}, {seed: {rate: score}})."""
+    for _ in range(max_extend + 1):
+        for lr in grid:
+            for seed in seeds:
+                if (seed, lr) not in records:
+                    records[seed, lr] = runner.run(method, seed, lr, evals=1, rate=rate, tuning=True)
+        per_seed = {seed: {lr: sweep_score(records[seed, lr], scale) for (s, lr) in records if s == seed}
+                    for seed in seeds}  # fmt: skip
+        scores = {lr: float(np.mean([per_seed[seed][lr] for seed in seeds])) for lr in per_seed[seeds[0]]}
+        best = pick(scores, incumbent)
+        if min(scores) < best < max(scores):
+            break
+        grid = [best / 2 if best == min(scores) else best * 2]
+    return best, scores, per_seed
 
 
 def markdown(saved: dict) -> str:
