@@ -16,7 +16,7 @@ from reve_jax.data import pipeline
 from reve_jax.data.synthetic import alignment
 from reve_jax.speedup import protocol, report, runner, sweeps
 
-SIZES = {name: f"configs/speedup/{name}.py" for name in ("cpu", "cpu30", "cpu64", "gpu")}
+SIZES = {name: f"configs/speedup/{name}.py" for name in ("cpu", "cpu30", "cpu30f", "cpu64", "gpu")}
 
 
 def _size(name):
@@ -127,6 +127,19 @@ def test_methods_differ_only_in_their_techniques_and_every_size_builds():
             )
         want = a.diffusion.noise_scale * (1.0 if m.startswith("latent") else 2.0)
         assert b.diffusion.noise_scale == want, (m, b.diffusion.noise_scale)
+    # cpu30f, the trend's control: cpu30 in cpu64's rendering, nothing else changed, on cpu30's autoencoder (the
+    # same cache entry, so the same one-time cost)
+    from reve_jax.latent import training as latent_training
+
+    s30f = _size("cpu30f")
+    for m in ("recipe", "latent", "latent+muon"):
+        a, b = protocol.build_config(s30, m, 10), protocol.build_config(s30f, m, 10)
+        assert (a.data.render, b.data.render, b.latent.train_render) == ("jitter", "fixed", "jitter")
+        da, db = json.loads(a.to_json()), json.loads(b.to_json())
+        for d in (da, db):
+            del d["data"]["render"], d["latent"]["train_render"]
+        assert da == db, m
+        assert latent_training.cache_key(a) == latent_training.cache_key(b), m
     assert jax.device_count() == 8  # conftest's emulated devices: the configs build without touching them
 
 

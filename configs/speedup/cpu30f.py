@@ -1,0 +1,38 @@
+"""Speedup benchmark, cpu30 in the fixed rendering: the point that separates rendering from resolution in the trend.
+cpu30 (32 px) is in the jittered rendering and cpu64 (64 px) in the fixed one, where baseline A passes the gate at
+64 px; this size is cpu30's task, models, budget and protocol in cpu64's rendering, so that cpu30f against cpu64
+changes the resolution alone and cpu30 against cpu30f the rendering alone. Scored on the unseen compositions (never
+in the training stream). The autoencoder is cpu30's (`latent.train_render='jitter'`: a fixed image is one of the
+jittered ones; the same cache entry and one-time cost), its reconstructions of the fixed images checked (0.989).
+
+    python scripts/bench_speedup.py --size cpu30f --out runs/sweep30f --sweep --archive docs/results/cpu30f  # sweeps
+    python scripts/bench_speedup.py --size cpu30f --out runs/speedup_cpu30f --archive docs/results/cpu30f   # headline
+
+The protocol is cpu64's: the headline is the trend's pair (the recipe against baseline A, both with AdamW), each
+method's sweep starts from its cpu30 rate and a factor of 2 either side (`sweep_around=1`), extended while the winner
+sits at an edge, on the tuning seeds 100 and 101. Calibration (baseline A, seeds 102 and 103, cpu30's 4,500 steps):
+docs/speedup_log.md, 2026-12-07.
+
+FROZEN: cpu30's until this size's own sweeps replace baseline A's and the recipe's.
+"""
+
+import dataclasses
+
+from configs.speedup import cpu, cpu30
+
+PROTOCOL = dataclasses.replace(
+    cpu30.PROTOCOL,
+    name="cpu30f",
+    methods=("recipe",),  # with baseline A: the trend's pair, as at cpu64
+    further=("latent+muon", "recipe+muon", *cpu30.PROTOCOL.further),
+    sweep_around=1,
+    sweep_from={},
+)
+# cpu30's vocabulary in the fixed rendering; the autoencoder trains on the jittered one (cpu30's)
+TASK = (*(o for o in cpu30.TASK if not o.startswith("data.render=")), "data.render='fixed'")
+TASK = (*TASK, "latent.train_render='jitter'")
+FROZEN = {**cpu30.FROZEN}  # not swept at this size yet
+
+
+def get_config(method=None):
+    return cpu.method_config(method or "recipe", FROZEN, TASK)
