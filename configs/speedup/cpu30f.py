@@ -18,19 +18,11 @@ FROZEN: cpu30's until this size's own sweeps replace baseline A's and the recipe
 
 import dataclasses
 
-from configs.speedup import cpu, cpu30
+from configs.speedup import cpu, cpu30, cpu64
 
-PROTOCOL = dataclasses.replace(
-    cpu30.PROTOCOL,
-    name="cpu30f",
-    methods=("recipe",),  # with baseline A: the trend's pair, as at cpu64
-    further=("latent+muon", "recipe+muon", *cpu30.PROTOCOL.further),
-    sweep_around=1,
-    sweep_from={},
-)
-# cpu30's vocabulary in the fixed rendering; the autoencoder trains on the jittered one (cpu30's)
-TASK = (*(o for o in cpu30.TASK if not o.startswith("data.render=")), "data.render='fixed'")
-TASK = (*TASK, "latent.train_render='jitter'")
+PROTOCOL = dataclasses.replace(cpu64.PROTOCOL, name="cpu30f")  # the trend's pair, the sweeps around cpu30's rates
+# cpu64's task (cpu30's vocabulary, fixed rendering) at 32 px; the autoencoder trains on the jittered one (cpu30's)
+TASK = (*cpu64.TASK, "latent.train_render='jitter'")
 FROZEN = {**cpu30.FROZEN}  # not swept at this size yet
 
 
