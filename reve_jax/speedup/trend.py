@@ -1,7 +1,11 @@
 """The trend with resolution (issue 45, item 8): the same protocol's headline at several image sizes, one row per
 size and method, and one plot of each method's speedup over the baseline against the resolution, with intervals.
 
-    python scripts/bench_speedup.py --trend runs/speedup_cpu30 runs/speedup_cpu64 --out runs/speedup_trend
+    python scripts/bench_speedup.py --trend runs/speedup_cpu30 runs/speedup_cpu30f runs/speedup_cpu64
+
+A size's rendering (data.render) is part of its point: the plot draws one line per method and rendering, so that a
+control at the same resolution in another rendering (cpu30f beside cpu30) is a point of its own, not a step of the
+line.
 
 Reads each finished benchmark's results.json (run_benchmark's), writes trend.md, trend.json and trend.png. Every size
 must time its methods against the same baseline by the same rule, so that the ratios are of one kind; a size whose
@@ -14,9 +18,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from reve_jax import config as config_lib
 from reve_jax.speedup import report
 
 COSTS = ("step", "flops")
+RENDER_NAMES = {"jitter": "jittered", "fixed": "fixed"}
 YTICKS = (0.25, 0.5, 0.75, 1, 1.5, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
@@ -31,22 +37,39 @@ def load(out_dir) -> dict:
     return json.loads(path.read_text())
 
 
-def resolution(results: dict) -> int:
-    """The image size (px) every run of a benchmark trained at, from the runs' configs."""
-    sizes = set()
+def _config_values(results: dict, key: str, default) -> set:
+    """The values of data.<key> over a benchmark's runs (from the runs' configs)."""
+    values = set()
     for r in results.get("runs", []):
         cfg = r["config"]
         cfg = json.loads(cfg) if isinstance(cfg, str) else cfg
-        sizes.add(int(cfg["data"]["image_size"]))
+        values.add(cfg["data"].get(key, default))
+    return values
+
+
+def resolution(results: dict) -> int:
+    """The image size (px) every run of a benchmark trained at, from the runs' configs."""
+    sizes = {int(v) for v in _config_values(results, "image_size", 0)}
     if len(sizes) != 1:
         name = results.get("size", {}).get("name", "?")
         raise TrendError(f"size {name}: runs at image sizes {sorted(sizes) or 'none'}; a trend point needs one")
     return sizes.pop()
 
 
+def rendering(results: dict) -> str:
+    """The rendering (data.render: 'fixed' or 'jitter') every run of a benchmark trained on. Points in different
+    renderings are different curves: the trend with resolution is read along one rendering."""
+    renders = _config_values(results, "render", config_lib.ADDED_KEYS["data.render"])  # before the key: fixed
+    if len(renders) != 1:
+        name = results.get("size", {}).get("name", "?")
+        raise TrendError(f"size {name}: runs in the renderings {sorted(renders)}; a trend point needs one")
+    return renders.pop()
+
+
 def rows(all_results: list[dict]) -> list[dict]:
-    """One row per (size, method other than the baseline), sorted by resolution: {"size", "resolution", "method",
-    "ok", "why", "seeds", "reached", "interval", "upper_bound", "speedup": {cost: (center, lo, hi)}, "wall"}."""
+    """One row per (size, method other than the baseline), sorted by resolution, then rendering: {"size",
+    "resolution", "render", "method", "ok", "why", "seeds", "reached", "interval", "upper_bound", "speedup": {cost:
+    (center, lo, hi)}, "wall"}."""
     baselines = {r["size"]["baseline"] for r in all_results}
     if len(baselines) != 1:
         raise TrendError(
@@ -54,13 +77,13 @@ def rows(all_results: list[dict]) -> list[dict]:
             "ratios over one baseline (pass --baseline alike to every size's benchmark)"
         )
     out = []
-    for px, res in sorted(((resolution(r), r) for r in all_results), key=lambda t: t[0]):
+    for px, render, res in sorted(((resolution(r), rendering(r), r) for r in all_results), key=lambda t: t[:2]):
         tt = res["summary"]["time_to_target"]
         base = res["size"]["baseline"]
         methods = [m for m in res["methods"] if m != base]
         reused = any(r.get("reused") for r in res["runs"])
         for m in methods:
-            row = {"size": res["size"]["name"], "resolution": px, "method": m, "ok": False,
+            row = {"size": res["size"]["name"], "resolution": px, "render": render, "method": m, "ok": False,
                    "why": tt["why"], "wall": not reused}  # fmt: skip
             rm = tt.get("methods", {}).get(m) if tt["ok"] else None
             if rm is not None:
@@ -76,12 +99,12 @@ def markdown(trend: list[dict]) -> str:
     lines = [
         "Speedup over the baseline's plateau against resolution (each size's own headline, docs/speedup.md):",
         "",
-        "| size | px | method | seeds reaching | " + " | ".join(f"speedup {report.COST_NAMES[k]}" for k in COSTS)
-        + " | speedup wall s |",
-        "|---" * (5 + len(COSTS)) + "|",
+        "| size | px | rendering | method | seeds reaching | "
+        + " | ".join(f"speedup {report.COST_NAMES[k]}" for k in COSTS) + " | speedup wall s |",
+        "|---" * (6 + len(COSTS)) + "|",
     ]  # fmt: skip
     for r in trend:
-        head = f"| {r['size']} | {r['resolution']} | {report.label(r['method'])} |"
+        head = f"| {r['size']} | {r['resolution']} | {r['render']} | {report.label(r['method'])} |"
         if not r["ok"]:
             lines.append(f"{head} - | **{r['why']}** |" + " - |" * len(COSTS))
             continue
@@ -94,30 +117,41 @@ def markdown(trend: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def series(trend: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    """The plot's lines: one per (method, rendering), its measurable rows by increasing resolution. A point in another
+    rendering starts its own line rather than joining one at the same resolution."""
+    out: dict[tuple[str, str], list[dict]] = {}
+    for r in trend:
+        if r["ok"]:
+            out.setdefault((r["method"], r["render"]), []).append(r)
+    return {k: sorted(v, key=lambda r: r["resolution"]) for k, v in out.items()}
+
+
 def plot(trend: list[dict], path) -> Path:
-    """Speedup (log) against resolution (log2), one panel per cost, one line per method; the interval as error
-    bars (solid: a 95% interval, dashed: the range of fewer seeds); an open marker where the ratio is an upper
-    bound. Rows without a measurable speedup are left out (the table says why)."""
+    """Speedup (log) against resolution (log2), one panel per cost, one line per method and rendering; the interval
+    as error bars (solid: a 95% interval, dashed: the range of fewer seeds); an open marker where the ratio is an
+    upper bound. Rows without a measurable speedup are left out (the table says why)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in trend if r["ok"]]
-    methods = list(dict.fromkeys(r["method"] for r in ok))
+    lines = series(trend)
+    renders = list(dict.fromkeys(r for _, r in lines))
     fig, axes = plt.subplots(1, len(COSTS), figsize=(6 * len(COSTS), 4.2), squeeze=False)
     colors = plt.get_cmap("tab10")
     xs = sorted({r["resolution"] for r in trend})
     for ax, cost in zip(axes[0], COSTS, strict=True):
-        for i, m in enumerate(methods):
-            pts = sorted((r for r in ok if r["method"] == m), key=lambda r: r["resolution"])
-            x = [r["resolution"] * 2 ** (0.03 * (i - len(methods) / 2)) for r in pts]  # apart, not hiding each other
+        for i, ((m, render), pts) in enumerate(lines.items()):
+            x = [r["resolution"] * 2 ** (0.03 * (i - len(lines) / 2)) for r in pts]  # apart, not hiding each other
             y = [r["speedup"][cost][0] for r in pts]
-            ax.plot(x, y, color=colors(i), lw=1.5, label=report.label(m))
+            name = report.label(m) + (f", {RENDER_NAMES.get(render, render)} rendering" if len(renders) > 1 else "")
+            ax.plot(x, y, color=colors(i), lw=1.5, label=name)
             for xi, r in zip(x, pts, strict=True):
                 c, lo, hi = r["speedup"][cost]
                 bars = ax.errorbar([xi], [c], yerr=[[max(c - lo, 0.0)], [max(hi - c, 0.0)]], color=colors(i), capsize=3,
-                                   marker="o", mfc="none" if r["upper_bound"] else colors(i))  # fmt: skip
+                                   marker="os^D"[renders.index(render) % 4],
+                                   mfc="none" if r["upper_bound"] else colors(i))  # fmt: skip
                 if r["interval"] == "range":
                     bars[-1][0].set_linestyle("--")
         ax.axhline(1.0, color="k", lw=1, ls=":", label="as fast as the baseline")
