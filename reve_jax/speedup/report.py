@@ -31,14 +31,6 @@ def label(method: str) -> str:
     return method
 
 
-def _ci(v, fmt: str = "{:.3f}", scale: float = 1.0) -> str:
-    """(value, lo, hi) -> 'value [lo, hi]'."""
-    if v is None or not math.isfinite(v[0]):
-        return "-"
-    m, lo, hi = (x * scale for x in v)
-    return fmt.format(m) if lo == hi else f"{fmt.format(m)} [{fmt.format(lo)}, {fmt.format(hi)}]"
-
-
 def _order(methods, baseline: str) -> list[str]:
     methods = list(dict.fromkeys(methods))
     return [baseline] * (baseline in methods) + [m for m in methods if m != baseline]
