@@ -12,6 +12,10 @@
 # extra: PRX-1B off+on; XL/2 with q,k,v as three GEMMs (before this work); XL/2 with XLA attention; XL/2 with each
 #        XLA flag tried; XL/2 checkpoint blocking, plain and staged; XL/2 again (a compilation-cache hit); XL/2 with
 #        scan over blocks.
+# speedup: the GPU speedup size's sweep (docs/speedup.md, "gpu"), carried on over as many calls as it takes:
+#   run(command="BUDGET_S=540 bash scripts/device_bench.sh speedup", carry=[".whl"], timeout_s=580)
+#   finished runs come back under $OUT/records/: copy them into docs/results/gpu/ and commit before the next call
+#   (an autoencoder_*.partial.npz there, a training the cap cut, is git-ignored: name it in the next call's carry).
 # ROWS="1 3" runs only those rows of the phase (numbered from 1 in the order below): the rest of a cut-short call.
 # SMOKE=1 runs the same sequence with the tiny preset on this machine's CPU (checks the script, not the GPU).
 set -u
@@ -138,8 +142,34 @@ PY
   host 60 input --preset "$B" --batch "$batch" --config.data.worker_threads=8
   host 60 input --preset "$B" --batch "$batch" --config.data.worker_threads=1 --config.data.worker_processes=8
   ;;
+speedup)
+  # The sweep keeps every finished run in its archive, docs/results/gpu/ (carried with the tree): a run found there is
+  # reused, not rerun, and the autoencoder trained by the first call is shared through it too. A run that the budget
+  # cuts is lost with the machine (its checkpoint is not sent back). SMOKE: the code path, shrunk, in /tmp only.
+  archive=docs/results/gpu quick=()
+  [ -n "${SMOKE:-}" ] && archive=/tmp/reve_smoke_archive quick=(--quick)
+  mkdir -p "$archive" "$OUT/records"
+  left=$((deadline - SECONDS - 20))
+  if [ "$left" -lt 120 ]; then
+    echo "[skip, budget] speedup sweep" | tee -a "$log"
+  else
+    echo "=== speedup sweep (cap ${left}s, at ${SECONDS}s): $(ls "$archive" | grep -c json) runs in the archive" | tee -a "$log"
+    # TERM at the cap: the benchmark stops at its next step, as it does when a session ends.
+    timeout -s TERM -k 30 "$left" python3 scripts/bench_speedup.py --size gpu "${quick[@]}" --out /tmp/reve_sweep_gpu \
+      --cache-dir /tmp/reve_gpu_cache --sweep --methods latent,recipe --archive "$archive" >>"$log" 2>&1
+    echo "[speedup sweep rc=$?]" | tee -a "$log"
+  fi
+  cp "$archive"/*.json "$archive"/autoencoder_*[0-9a-f].npz "$OUT/records/" 2>/dev/null
+  # An autoencoder whose training the cap cut: its state, to be carried into the next call's archive.
+  for partial in /tmp/reve_gpu_cache/autoencoder_*.partial.npz; do
+    [ -e "$partial" ] && [ ! -e "${partial%.partial.npz}.npz" ] && cp "$partial" "$OUT/records/"
+  done
+  grep -E "^(freeze in|sweep |autoencoder |\[.*\] step )" "$log" | tail -n 20
+  echo "records: $(ls "$OUT/records" | grep -c json) runs in $OUT/records (copy into docs/results/gpu/)"
+  exit 0
+  ;;
 *)
-  echo "usage: $0 core|extra" >&2
+  echo "usage: $0 core|extra|speedup" >&2
   exit 2
   ;;
 esac
