@@ -9,8 +9,10 @@ from configs.recipe import common
 from configs.speedup import shared
 from reve_jax.speedup.runner import Protocol
 
+# Guidance: the CPU sizes' scales (the recipe's best was 1 or 1.5 there, baseline A's 2-3) and 5, set before any run
 PROTOCOL = Protocol(name="gpu", steps=2000, n_eval=512, n_final=1024, baseline="latent",
-                    methods=("latent+muon", "recipe", "recipe+muon"), further=("pixel", "prx"))  # fmt: skip
+                    methods=("latent+muon", "recipe", "recipe+muon"), further=("pixel", "prx"),
+                    cfg_scales=(1.0, 1.5, 2.0, 3.0, 5.0))  # fmt: skip
 FROZEN = {}  # not swept yet: the config's LR (1e-3) and guidance (3) for every method
 
 MODEL = (
