@@ -14,8 +14,9 @@
 #        scan over blocks.
 # speedup: the GPU speedup size's sweep (docs/speedup.md, "gpu"), carried on over as many calls as it takes:
 #   run(command="BUDGET_S=540 bash scripts/device_bench.sh speedup", carry=[".whl"], timeout_s=580)
-#   finished runs come back under $OUT/records/: copy them into docs/results/gpu/ and commit before the next call
-#   (an autoencoder_*.partial.npz there, a training the cap cut, is git-ignored: name it in the next call's carry).
+#   finished runs come back in $OUT/records.tar: untar it into docs/results/gpu/ and commit before the next call (an
+#   autoencoder_*.partial.npz beside it, a training the cap cut, is git-ignored: put it in docs/results/gpu/ too and
+#   name it in the next call's carry).
 # ROWS="1 3" runs only those rows of the phase (numbered from 1 in the order below): the rest of a cut-short call.
 # SMOKE=1 runs the same sequence with the tiny preset on this machine's CPU (checks the script, not the GPU).
 set -u
@@ -148,7 +149,7 @@ speedup)
   # cuts is lost with the machine (its checkpoint is not sent back). SMOKE: the code path, shrunk, in /tmp only.
   archive=docs/results/gpu quick=()
   [ -n "${SMOKE:-}" ] && archive=/tmp/reve_smoke_archive quick=(--quick)
-  mkdir -p "$archive" "$OUT/records"
+  mkdir -p "$archive"
   left=$((deadline - SECONDS - 20))
   if [ "$left" -lt 120 ]; then
     echo "[skip, budget] speedup sweep" | tee -a "$log"
@@ -159,13 +160,16 @@ speedup)
       --cache-dir /tmp/reve_gpu_cache --sweep --methods latent,recipe --archive "$archive" >>"$log" 2>&1
     echo "[speedup sweep rc=$?]" | tee -a "$log"
   fi
-  cp "$archive"/*.json "$archive"/autoencoder_*[0-9a-f].npz "$OUT/records/" 2>/dev/null
+  # The device tool sends back 8 files at most: the records in one tar (JSON and the finished autoencoder, ~5 MB).
+  rm -rf /tmp/reve_records && mkdir -p /tmp/reve_records
+  cp "$archive"/*.json "$archive"/autoencoder_*[0-9a-f].npz /tmp/reve_records/ 2>/dev/null
+  tar -C /tmp/reve_records -cf "$OUT/records.tar" .
   # An autoencoder whose training the cap cut: its state, to be carried into the next call's archive.
   for partial in /tmp/reve_gpu_cache/autoencoder_*.partial.npz; do
-    [ -e "$partial" ] && [ ! -e "${partial%.partial.npz}.npz" ] && cp "$partial" "$OUT/records/"
+    [ -e "$partial" ] && [ ! -e "${partial%.partial.npz}.npz" ] && cp "$partial" "$OUT/"
   done
   grep -E "^(freeze in|sweep |autoencoder |\[.*\] step )" "$log" | tail -n 20
-  echo "records: $(ls "$OUT/records" | grep -c json) runs in $OUT/records (copy into docs/results/gpu/)"
+  echo "records: $(ls /tmp/reve_records | grep -c json) runs in $OUT/records.tar (untar into docs/results/gpu/)"
   exit 0
   ;;
 *)
