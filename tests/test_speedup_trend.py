@@ -73,6 +73,15 @@ def test_a_control_in_another_rendering_is_its_own_point_not_a_step_of_the_line(
         trend.rows([mixed])
 
 
+def test_a_method_that_never_reaches_the_target_prints_never_beside_its_bound(tmp_path):
+    rows = trend.rows([_results(32, [2.0, 2.0, 2.0]), _results(64, [0.5, 0.5, 0.5])])  # at 64: 0.8 after the budget
+    assert [(r["reached"], r["upper_bound"]) for r in rows] == [(3, False), (0, True)]
+    md = trend.markdown(rows)
+    assert "| px32 | 32 | fixed | JIT-DDT recipe | 3/3 | 2.00x |" in md
+    assert "| px64 | 64 | fixed | JIT-DDT recipe | 0/3 | never (<=" in md
+    assert trend.plot(rows, tmp_path / "t.png").stat().st_size > 0
+
+
 def test_a_size_whose_baseline_fails_the_gate_is_listed_not_plotted(tmp_path):
     rows = trend.rows([_results(32, [2.0, 2.0, 2.0]), _results(64, [2.0, 2.0, 2.0], fail_gate=True)])
     assert [r["ok"] for r in rows] == [True, False]

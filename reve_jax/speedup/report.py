@@ -69,8 +69,10 @@ SPEEDUP_COSTS = ("step", "flops", "wall_s", "cpu_s")
 
 
 def speedup_cell(row: dict, cost: str) -> str:
-    """A method's speedup on `cost` (an analysis row: "speedup", "interval", "upper_bound"), "<=" when censored."""
-    return "<=" * row["upper_bound"] + interval_text(*row["speedup"][cost], row["interval"], unit="x")
+    """A method's speedup on `cost` (an analysis row: "speedup", "interval", "upper_bound", "reached"), "<=" when
+    censored; a method that reached the target on no seed has no speedup, only the bound: "never (<=...)"."""
+    text = "<=" * row["upper_bound"] + interval_text(*row["speedup"][cost], row["interval"], unit="x")
+    return f"never ({text})" if row.get("reached") == 0 and text != "-" else text
 
 
 def markdown_table(results: dict) -> str:

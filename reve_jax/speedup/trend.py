@@ -130,7 +130,8 @@ def series(trend: list[dict]) -> dict[tuple[str, str], list[dict]]:
 def plot(trend: list[dict], path) -> Path:
     """Speedup (log) against resolution (log2), one panel per cost, one line per method and rendering; the interval
     as error bars (solid: a 95% interval, dashed: the range of fewer seeds); an open marker where the ratio is an
-    upper bound. Rows without a measurable speedup are left out (the table says why)."""
+    upper bound, "never reached" beside it where no seed reached the target (the ratio is a bound and no speedup).
+    Rows without a measurable speedup are left out (the table says why)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -154,6 +155,9 @@ def plot(trend: list[dict], path) -> Path:
                                    mfc="none" if r["upper_bound"] else colors(i))  # fmt: skip
                 if r["interval"] == "range":
                     bars[-1][0].set_linestyle("--")
+                if r["reached"] == 0:  # a bound only: the method never reached the target
+                    ax.annotate("never reached", (xi, c), xytext=(6, -3), textcoords="offset points", fontsize=7,
+                                color=colors(i))  # fmt: skip
         ax.axhline(1.0, color="k", lw=1, ls=":", label="as fast as the baseline")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
