@@ -49,11 +49,13 @@ def _config_values(results: dict, key: str, default) -> set:
 
 def resolution(results: dict) -> int:
     """The image size (px) every run of a benchmark trained at, from the runs' configs."""
-    sizes = {int(v) for v in _config_values(results, "image_size", 0)}
-    if len(sizes) != 1:
+    sizes = _config_values(results, "image_size", None)
+    if len(sizes) != 1 or None in sizes:
         name = results.get("size", {}).get("name", "?")
-        raise TrendError(f"size {name}: runs at image sizes {sorted(sizes) or 'none'}; a trend point needs one")
-    return sizes.pop()
+        known = sorted(v for v in sizes if v is not None)
+        without = " and runs without one" if None in sizes else ""
+        raise TrendError(f"size {name}: runs at image sizes {known or 'none'}{without}; a trend point needs one")
+    return int(sizes.pop())
 
 
 def rendering(results: dict) -> str:
