@@ -127,17 +127,19 @@ def test_methods_differ_only_in_their_techniques_and_every_size_builds():
             )
         want = a.diffusion.noise_scale * (1.0 if m.startswith("latent") else 2.0)
         assert b.diffusion.noise_scale == want, (m, b.diffusion.noise_scale)
-    # cpu30f, the trend's control: cpu30 in cpu64's rendering, nothing else changed, on cpu30's autoencoder (the
-    # same cache entry, so the same one-time cost)
+    # cpu30f, the trend's control: cpu30 in cpu64's rendering, nothing else changed but the rate and guidance its
+    # own sweeps froze, on cpu30's autoencoder (the same cache entry, so the same one-time cost)
+    from configs.speedup import cpu30f
     from reve_jax.latent import training as latent_training
 
     s30f = _size("cpu30f")
     for m in ("recipe", "latent", "latent+muon"):
         a, b = protocol.build_config(s30, m, 10), protocol.build_config(s30f, m, 10)
         assert (a.data.render, b.data.render, b.latent.train_render) == ("jitter", "fixed", "jitter")
+        assert (b.optim.lr, b.sample.cfg_scale) == (cpu30f.FROZEN[m]["lr"], cpu30f.FROZEN[m]["cfg_scale"]), m
         da, db = json.loads(a.to_json()), json.loads(b.to_json())
         for d in (da, db):
-            del d["data"]["render"], d["latent"]["train_render"]
+            del d["data"]["render"], d["latent"]["train_render"], d["optim"]["lr"], d["sample"]["cfg_scale"]
         assert da == db, m
         assert latent_training.cache_key(a) == latent_training.cache_key(b), m
     assert jax.device_count() == 8  # conftest's emulated devices: the configs build without touching them

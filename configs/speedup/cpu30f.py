@@ -13,7 +13,8 @@ method's sweep starts from its cpu30 rate and a factor of 2 either side (`sweep_
 sits at an edge, on the tuning seeds 100 and 101. Calibration (baseline A, seeds 102 and 103, cpu30's 4,500 steps):
 docs/speedup_log.md, 2026-12-07.
 
-FROZEN: cpu30's until this size's own sweeps replace baseline A's and the recipe's.
+FROZEN: baseline A's and the recipe's from their sweeps here on the tuning seeds 100 and 101 (2026-12-07,
+docs/speedup_log.md); every other method cpu30's (not swept at this size).
 """
 
 import dataclasses
@@ -23,7 +24,12 @@ from configs.speedup import cpu, cpu30, cpu64
 PROTOCOL = dataclasses.replace(cpu64.PROTOCOL, name="cpu30f")  # the trend's pair, the sweeps around cpu30's rates
 # cpu64's task (cpu30's vocabulary, fixed rendering) at 32 px; the autoencoder trains on the jittered one (cpu30's)
 TASK = (*cpu64.TASK, "latent.train_render='jitter'")
-FROZEN = {**cpu30.FROZEN}  # not swept at this size yet
+FROZEN = {  # each method's rate and guidance, as this size's sweeps chose them (docs/speedup_log.md, 2026-12-07)
+    **cpu30.FROZEN,
+    # baseline A on the tuning seeds 100 and 101, mean at guidance 2: 2e-3 0.857, 4e-3 0.886, 8e-3 0.840; guidance
+    # 1 / 1.5 / 2 / 3 at 4e-3: 0.857 / 0.876 / 0.886 / 0.884 (6 runs)
+    "latent": {"lr": 4e-3, "cfg_scale": 2.0},
+}
 
 
 def get_config(method=None):
